@@ -1,0 +1,73 @@
+import os
+from dataclasses import dataclass, field, fields
+
+from transformers import AutoConfig, PretrainedConfig
+
+
+@dataclass(slots=True)
+class Config:
+    """Engine settings plus the Hugging Face config of the model at `model`."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    hf_config: PretrainedConfig = field(init=False, repr=False)
+    eos_token_ids: tuple[int, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local checkpoint directory, got {self.model!r}")
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_model_len", self.max_model_len)
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kvcache_block_size <= 0 or self.kvcache_block_size % 16 != 0:
+            raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks}")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        for name in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(self.hf_config, name)
+            if heads % self.tensor_parallel_size != 0:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide {name}={heads}")
+        self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> "Config":
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known options are {sorted(known - {'model'})}")
+        return cls(model, **options)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Every id that ends generation: the model config's and generation_config.json's (Qwen3 lists several)."""
+    ids: set[int] = set()
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.exists(gen_path):
+        import json
+
+        with open(gen_path) as f:
+            candidates.append(json.load(f).get("eos_token_id"))
+    for value in candidates:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return tuple(sorted(ids))

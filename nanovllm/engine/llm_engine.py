@@ -1,0 +1,140 @@
+import atexit
+import socket
+import uuid
+from time import perf_counter
+
+import torch.multiprocessing as mp
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(config: Config, rank: int, event, shm_name: str, port: int) -> None:
+    ModelRunner(config, rank, event, shm_name, port)
+
+
+class LLMEngine:
+    """Owns the tokenizer, the Scheduler and the ModelRunner of rank 0 (plus tensor-parallel workers)."""
+
+    def __init__(self, model: str, **options) -> None:
+        config = Config.from_options(model, **options)
+        self.config = config
+        self.processes = []
+        self.events = []
+        shm_name = f"nanovllm-{uuid.uuid4().hex[:12]}"
+        port = _free_port() if config.tensor_parallel_size > 1 else 0
+        ctx = mp.get_context("spawn")
+        for rank in range(1, config.tensor_parallel_size):
+            event = ctx.Event()
+            process = ctx.Process(target=_worker_main, args=(config, rank, event, shm_name, port))
+            process.start()
+            self.processes.append(process)
+            self.events.append(event)
+        self.model_runner = ModelRunner(config, 0, self.events, shm_name, port)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.vocab_size = config.hf_config.vocab_size
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self._exited = False
+        atexit.register(self.exit)
+
+    def exit(self) -> None:
+        if self._exited:
+            return
+        self._exited = True
+        self.model_runner.call("exit")
+        del self.model_runner
+        for process in self.processes:
+            process.join()
+
+    # --- requests ----------------------------------------------------------------------------------------
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate one request; raises ValueError before anything is scheduled."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError(f"empty prompt {prompt!r}: at least one token is needed")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(f"prompt of {len(token_ids)} tokens is not shorter than max_model_len="
+                             f"{self.config.max_model_len}, so no token could be generated")
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+        num_blocks = self.scheduler.block_manager.num_blocks
+        if seq.num_blocks > num_blocks:
+            raise ValueError(f"prompt of {len(token_ids)} tokens needs {seq.num_blocks} KV blocks but the cache "
+                             f"holds only {num_blocks} blocks of {self.config.kvcache_block_size} tokens")
+        return seq
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(prompt, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> tuple[list[Sequence], int]:
+        """Run one scheduled batch. Returns it and its token count (negative for decode, to tell them apart)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:  # the step only retired requests that can never fit
+            return seqs, 0
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        self.scheduler.postprocess(seqs, token_ids)
+        return seqs, num_tokens
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = True) -> list[dict]:
+        if not prompts:
+            return []
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
+                             f"pass one, or one per prompt")
+        # validate everything before any request is queued, so a bad one leaves the engine untouched
+        seqs = [self.make_sequence(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_throughput = decode_throughput = 0.0
+        done = 0
+        try:
+            while not self.is_finished():
+                start = perf_counter()
+                _, num_tokens = self.step()
+                elapsed = perf_counter() - start
+                if num_tokens > 0:
+                    prefill_throughput = num_tokens / elapsed
+                elif num_tokens < 0:
+                    decode_throughput = -num_tokens / elapsed
+                finished = sum(seq.is_finished for seq in seqs)
+                bar.update(finished - done)
+                done = finished
+                bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
+        except BaseException:
+            # an interrupted call must not strand blocks or leave half-done requests for the next one
+            self.scheduler.abort_all()
+            raise
+        finally:
+            bar.close()
+        return [self._output(seq) for seq in seqs]
+
+    def _output(self, seq: Sequence) -> dict:
+        token_ids = seq.completion_token_ids
+        return {
+            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
+            "token_ids": token_ids,
+            "finish_reason": seq.finish_reason,
+        }

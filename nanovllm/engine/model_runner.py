@@ -1,0 +1,292 @@
+import os
+from multiprocessing.synchronize import Event
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.worker_channel import WorkerChannel
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.utils.context import get_context, reset_context, set_context
+from nanovllm.utils.loader import load_model
+
+SHM_SIZE = 1 << 24
+
+
+def model_dtype(hf_config) -> torch.dtype:
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def available_cpu_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    """One per rank: owns the model and the KV cache, turns scheduled sequences into tensors and tensors into tokens."""
+
+    def __init__(self, config: Config, rank: int, events: list[Event] | Event, shm_name: str = "",
+                 dist_port: int = 0) -> None:
+        self.config = config
+        hf_config = config.hf_config
+        self.block_size = config.kvcache_block_size
+        self.world_size = config.tensor_parallel_size
+        self.rank = rank
+        self.events = events
+        self.use_cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", rank) if self.use_cuda else torch.device("cpu")
+        self.enforce_eager = config.enforce_eager or not self.use_cuda
+        if self.world_size > 1:
+            dist.init_process_group("nccl" if self.use_cuda else "gloo", f"tcp://127.0.0.1:{dist_port}",
+                                    world_size=self.world_size, rank=rank)
+        if self.use_cuda:
+            torch.cuda.set_device(self.device)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(model_dtype(hf_config))
+        torch.set_default_device(self.device)
+        try:
+            self.model = Qwen3ForCausalLM(hf_config)
+            load_model(self.model, config.model)
+            self.sampler = Sampler()
+            self.warmup_model()
+            self.allocate_kv_cache()
+            if not self.enforce_eager:
+                self.capture_cudagraph()
+        finally:
+            torch.set_default_device("cpu")
+            torch.set_default_dtype(default_dtype)
+        self.channel = None
+        if self.world_size > 1:
+            # workers attach to the segment only after rank 0 has created it
+            if rank == 0:
+                self.channel = WorkerChannel(shm_name, SHM_SIZE, create=True)
+                dist.barrier()
+            else:
+                dist.barrier()
+                self.channel = WorkerChannel(shm_name, SHM_SIZE, create=False)
+                self.loop()
+
+    # --- tensor-parallel plumbing -------------------------------------------------------------------------
+    def loop(self) -> None:
+        while True:
+            method, args = self.channel.receive(self.events)
+            self.call(method, *args)
+            if method == "exit":
+                break
+
+    def call(self, method: str, *args):
+        if self.world_size > 1 and self.rank == 0:
+            self.channel.send(self.events, method, *args)
+        return getattr(self, method)(*args)
+
+    def exit(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        if not self.enforce_eager:
+            del self.graphs, self.graph_pool
+        if self.use_cuda:
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.destroy_process_group()
+
+    # --- startup -----------------------------------------------------------------------------------------
+    def warmup_model(self) -> None:
+        """Run the largest prefill once so the peak memory of activations is known before sizing the KV cache."""
+        if not self.use_cuda:
+            return
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        seq_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
+        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        self.run(seqs, True)
+        torch.cuda.empty_cache()
+
+    def kv_block_bytes(self) -> int:
+        hf = self.config.hf_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv_heads = hf.num_key_value_heads // self.world_size
+        return 2 * hf.num_hidden_layers * self.block_size * kv_heads * head_dim * torch.get_default_dtype().itemsize
+
+    def num_blocks_from_memory(self, block_bytes: int) -> int:
+        config = self.config
+        if self.use_cuda:
+            free, total = torch.cuda.mem_get_info()
+            used = total - free
+            stats = torch.cuda.memory_stats()
+            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+            budget = int(total * config.gpu_memory_utilization) - used - peak + current
+            where = (f"GPU total {total / 2**30:.2f} GiB x gpu_memory_utilization {config.gpu_memory_utilization}"
+                     f" - used {used / 2**30:.2f} GiB - activation peak {(peak - current) / 2**30:.2f} GiB")
+        else:
+            available = available_cpu_memory()
+            budget = int(available * config.gpu_memory_utilization) // 4
+            where = f"a quarter of available CPU memory {available / 2**30:.2f} GiB x {config.gpu_memory_utilization}"
+            # more blocks than every sequence at max_model_len could use would only cost memory
+            max_useful = config.max_num_seqs * -(-config.max_model_len // self.block_size)
+            budget = min(budget, max_useful * block_bytes)
+        num_blocks = budget // block_bytes
+        if num_blocks <= 0:
+            raise RuntimeError(f"KV cache budget of {budget / 2**20:.1f} MiB ({where}) holds no block of "
+                               f"{block_bytes / 2**20:.1f} MiB; raise gpu_memory_utilization or lower "
+                               f"kvcache_block_size/max_num_batched_tokens")
+        return num_blocks
+
+    def allocate_kv_cache(self) -> None:
+        hf = self.config.hf_config
+        block_bytes = self.kv_block_bytes()
+        if self.config.num_kvcache_blocks > 0:
+            self.num_kvcache_blocks = self.config.num_kvcache_blocks
+        else:
+            self.num_kvcache_blocks = self.num_blocks_from_memory(block_bytes)
+        if self.world_size > 1:  # every rank must agree, or block ids would mean different slots
+            n = torch.tensor([self.num_kvcache_blocks], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            self.num_kvcache_blocks = int(n.item())
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv_heads = hf.num_key_value_heads // self.world_size
+        self.kv_cache = torch.empty(2, hf.num_hidden_layers, self.num_kvcache_blocks, self.block_size, kv_heads,
+                                    head_dim)
+        layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
+        for i, module in enumerate(layers):
+            module.k_cache, module.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    # --- per-step input preparation ----------------------------------------------------------------------
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.use_cuda:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+    def _block_tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        # padded with block 0: attention never reads past a sequence's length, so padding is never used
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.block_table)] = seq.block_table
+        return self._to_device(table)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
+        positions = np.arange(start, end)
+        table = np.asarray(seq.block_table, dtype=np.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids: list[int] = []
+        positions, slots = [], []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        prefix_cached = False
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            input_ids.extend(seq.scheduled_token_ids)
+            positions.append(np.arange(start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)
+            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
+            prefix_cached |= start > 0
+            if seq.block_table:  # the warmup pass has no cache to write to
+                slots.append(self._slots(seq, start, end))
+        block_tables = None
+        if prefix_cached:
+            block_tables = self._block_tables(seqs, max(len(seq.block_table) for seq in seqs))
+        set_context(
+            is_prefill=True,
+            cu_seqlens_q=self._to_device(np.array(cu_seqlens_q, dtype=np.int32)),
+            cu_seqlens_k=self._to_device(np.array(cu_seqlens_k, dtype=np.int32)),
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            slot_mapping=self._to_device(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)),
+            block_tables=block_tables,
+        )
+        return (self._to_device(np.array(input_ids, dtype=np.int64)),
+                self._to_device(np.concatenate(positions).astype(np.int64)))
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(seqs)
+        input_ids = np.empty(n, dtype=np.int64)
+        positions = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int64)
+        context_lens = np.empty(n, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            input_ids[i] = seq.scheduled_token_ids[0]
+            positions[i] = len(seq) - 1
+            context_lens[i] = len(seq)
+            slots[i] = seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
+        # full width every step, so a CUDA graph's block-table buffer never keeps a wider step's entries
+        width = -(-self.config.max_model_len // self.block_size)
+        set_context(is_prefill=False, slot_mapping=self._to_device(slots),
+                    context_lens=self._to_device(context_lens), block_tables=self._block_tables(seqs, width))
+        return self._to_device(input_ids), self._to_device(positions)
+
+    def prepare_temperatures(self, seqs: list[Sequence]) -> torch.Tensor:
+        return self._to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32))
+
+    # --- forward -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+        if is_prefill or self.enforce_eager or input_ids.size(0) > self.graph_bs[-1]:
+            return self.model.compute_logits(self.model(input_ids, positions))
+        bs = input_ids.size(0)
+        context = get_context()
+        graph_bs = next(x for x in self.graph_bs if x >= bs)
+        gv = self.graph_vars
+        gv["input_ids"][:bs] = input_ids
+        gv["positions"][:bs] = positions
+        gv["slot_mapping"].fill_(-1)
+        gv["slot_mapping"][:bs] = context.slot_mapping
+        gv["context_lens"].zero_()
+        gv["context_lens"][:bs] = context.context_lens
+        gv["block_tables"][:bs] = context.block_tables
+        self.graphs[graph_bs].replay()
+        return self.model.compute_logits(gv["outputs"][:bs])
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        temperatures = self.prepare_temperatures(seqs) if self.rank == 0 else None
+        try:
+            logits = self.run_model(input_ids, positions, is_prefill)
+            return self.sampler(logits, temperatures).tolist() if self.rank == 0 else None
+        finally:
+            reset_context()
+
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> None:
+        hf = self.config.hf_config
+        max_bs = min(self.config.max_num_seqs, 512)
+        width = -(-self.config.max_model_len // self.block_size)
+        gv = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64),
+            positions=torch.zeros(max_bs, dtype=torch.int64),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32),
+            block_tables=torch.zeros(max_bs, width, dtype=torch.int32),
+            outputs=torch.zeros(max_bs, hf.hidden_size),
+        )
+        self.graph_bs = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
+        self.graph_bs = [bs for bs in self.graph_bs if bs <= max_bs]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_pool = None
+        for bs in reversed(self.graph_bs):  # largest first, so smaller graphs fit in its pool
+            graph = torch.cuda.CUDAGraph()
+            set_context(is_prefill=False, slot_mapping=gv["slot_mapping"][:bs], context_lens=gv["context_lens"][:bs],
+                        block_tables=gv["block_tables"][:bs])
+            gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])  # warm up kernels
+            with torch.cuda.graph(graph, self.graph_pool):
+                gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+            reset_context()
+        self.graph_vars = gv

@@ -1,0 +1,86 @@
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its tokens, where its KV lives (block_table) and how much of it is already computed."""
+
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams = SamplingParams(),
+                 block_size: int = 256) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.block_size = block_size
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        # tokens whose KV is already in the cache (prefix-cache hits and finished prefill chunks)
+        self.num_cached_tokens = 0
+        # tokens the current step computes, starting at num_cached_tokens
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+        self.finish_reason: str | None = None
+        self._shipped_token_ids: list[int] = []
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    @property
+    def scheduled_token_ids(self) -> list[int]:
+        if self.token_ids is None:  # a tensor-parallel worker's copy carries only these
+            return self._shipped_token_ids
+        return self.token_ids[self.num_cached_tokens: self.num_cached_tokens + self.num_scheduled_tokens]
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when the scheduled tokens reach the end of the sequence, so the step samples a token for it."""
+        return self.num_cached_tokens + self.num_scheduled_tokens == self.num_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+
+    # Workers need only what the step computes: decode ships one token, not the whole history.
+    def __getstate__(self):
+        return (self.seq_id, self.block_size, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
+                self.block_table, self.scheduled_token_ids)
+
+    def __setstate__(self, state) -> None:
+        (self.seq_id, self.block_size, self.num_tokens, self.num_cached_tokens, self.num_scheduled_tokens,
+         self.block_table, self._shipped_token_ids) = state
+        self.token_ids = None

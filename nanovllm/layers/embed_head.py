@@ -1,0 +1,52 @@
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import tp_rank_and_size
+from nanovllm.utils.context import get_context
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; ids outside a rank's rows contribute zeros to the all-reduce."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.num_embeddings_per_rank = (num_embeddings + self.tp_size - 1) // self.tp_size
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        rows = loaded[self.vocab_start:self.vocab_end]
+        param.data.zero_()
+        param.data[: rows.size(0)].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start) * in_shard, self.weight) * in_shard.unsqueeze(1).to(self.weight.dtype)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over a vocabulary split across ranks, gathered on rank 0; prefill scores only each sequence's last token."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.num_embeddings = num_embeddings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        context = get_context()
+        if context.is_prefill:
+            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+            dist.gather(logits, parts, 0)
+            logits = torch.cat(parts, -1) if self.tp_rank == 0 else None
+        return logits[:, : self.num_embeddings] if logits is not None else None
