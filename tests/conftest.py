@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors; it must be chosen before they are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from nanovllm.utils.random_checkpoint import write_random_checkpoint  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with flash-attn: run scripts/gpu_check.sh on the device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-tiny")), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval()

@@ -1,0 +1,75 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.attention import Attention, store_kvcache, store_kvcache_torch
+from nanovllm.utils.context import reset_context, set_context
+
+BS, H, KV_H, D = 16, 4, 2, 32
+
+
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 32), (3, 24)])  # 72 is not a power of two: masked lanes
+def test_store_kvcache_kernel_matches_torch(num_kv_heads, head_dim):
+    torch.manual_seed(0)
+    num_tokens, num_slots = 9, 64
+    # K/V as views into a packed qkv row, the way the model hands them over (non-contiguous rows)
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_dim)
+    k = qkv[:, num_kv_heads * head_dim: 2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.tensor([5, 0, -1, 63, 17, 18, -1, 40, 1])
+    caches = [torch.zeros(num_slots // BS, BS, num_kv_heads, head_dim) for _ in range(4)]
+    store_kvcache(k, v, caches[0], caches[1], slots)
+    store_kvcache_torch(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].view(-1, num_kv_heads, head_dim)[63].equal(k[3])
+    assert caches[0].abs().sum() > 0
+
+
+def dense_causal(q, k, v, scale):
+    """Reference: full attention of the last q.size(0) positions over all keys."""
+    k = k.repeat_interleave(H // KV_H, dim=1)
+    v = v.repeat_interleave(H // KV_H, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    offset = k.size(0) - q.size(0)
+    mask = torch.ones(q.size(0), k.size(0), dtype=torch.bool).tril(offset)
+    return torch.einsum("hqk,khd->qhd", F.softmax(scores.masked_fill(~mask, float("-inf")), -1), v)
+
+
+def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
+    torch.manual_seed(0)
+    attn = Attention(H, D, D ** -0.5, KV_H)
+    attn.k_cache, attn.v_cache = torch.zeros(2, 8, BS, KV_H, D)
+    lengths, cached = [40, 21], [32, 0]  # first sequence has two cached blocks
+    tables = [[5, 2, 7], [1, 6]]
+    keys = [torch.randn(n, KV_H, D) for n in lengths]
+    values = [torch.randn(n, KV_H, D) for n in lengths]
+    queries = [torch.randn(n, H, D) for n in lengths]
+
+    def slots(table, start, end):
+        return [table[p // BS] * BS + p % BS for p in range(start, end)]
+
+    # the cached prefix is already in its blocks
+    store_kvcache_torch(keys[0][:32], values[0][:32], attn.k_cache, attn.v_cache, torch.tensor(slots(tables[0], 0, 32)))
+    q = torch.cat([queries[0][32:], queries[1]])
+    k = torch.cat([keys[0][32:], keys[1]])
+    v = torch.cat([values[0][32:], values[1]])
+    set_context(is_prefill=True, cu_seqlens_q=torch.tensor([0, 8, 29]), cu_seqlens_k=torch.tensor([0, 40, 61]),
+                max_seqlen_q=21, max_seqlen_k=40,
+                slot_mapping=torch.tensor(slots(tables[0], 32, 40) + slots(tables[1], 0, 21)),
+                block_tables=torch.tensor([[5, 2, 7], [1, 6, 0]]))
+    out = attn(q, k, v)
+    reset_context()
+    expected = torch.cat([dense_causal(queries[0][32:], keys[0], values[0], D ** -0.5),
+                          dense_causal(queries[1], keys[1], values[1], D ** -0.5)])
+    torch.testing.assert_close(out, expected)
+
+    # decode one more token for each
+    new_q, new_k, new_v = torch.randn(2, H, D), torch.randn(2, KV_H, D), torch.randn(2, KV_H, D)
+    set_context(is_prefill=False, slot_mapping=torch.tensor([slots(tables[0], 40, 41)[0], slots(tables[1], 21, 22)[0]]),
+                context_lens=torch.tensor([41, 22]), block_tables=torch.tensor([[5, 2, 7], [1, 6, 0]]))
+    out = attn(new_q, new_k, new_v)
+    reset_context()
+    for i in range(2):
+        expected = dense_causal(new_q[i:i + 1], torch.cat([keys[i], new_k[i:i + 1]]),
+                                torch.cat([values[i], new_v[i:i + 1]]), D ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], expected)
