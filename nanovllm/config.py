@@ -32,7 +32,8 @@ class Config:
         if self.kvcache_block_size <= 0 or self.kvcache_block_size % 16 != 0:
             raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
-            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, got {self.num_kvcache_blocks}")
+            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, "
+                             f"got {self.num_kvcache_blocks}")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         for name in ("num_attention_heads", "num_key_value_heads"):

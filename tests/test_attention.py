@@ -39,7 +39,7 @@ def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
     torch.manual_seed(0)
     attn = Attention(H, D, D ** -0.5, KV_H)
     attn.k_cache, attn.v_cache = torch.zeros(2, 8, BS, KV_H, D)
-    lengths, cached = [40, 21], [32, 0]  # first sequence has two cached blocks
+    lengths = [40, 21]  # the first sequence has two cached blocks
     tables = [[5, 2, 7], [1, 6]]
     keys = [torch.randn(n, KV_H, D) for n in lengths]
     values = [torch.randn(n, KV_H, D) for n in lengths]

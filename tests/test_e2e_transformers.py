@@ -1,8 +1,8 @@
 """The whole engine on CPU against transformers' Qwen3 on the same tiny checkpoint, greedy, token for token."""
 import pytest
 import torch
-
 from hf_reference import assert_no_leaks, assert_teacher_forced_greedy, hf_greedy
+
 from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

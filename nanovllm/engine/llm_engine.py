@@ -1,8 +1,10 @@
 import atexit
+import gc
 import socket
 import uuid
 from time import perf_counter
 
+import torch
 import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
@@ -52,10 +54,14 @@ class LLMEngine:
         if self._exited:
             return
         self._exited = True
+        atexit.unregister(self.exit)
         self.model_runner.call("exit")
         del self.model_runner
         for process in self.processes:
             process.join()
+        if torch.cuda.is_available():
+            gc.collect()
+            torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory
 
     # --- requests ----------------------------------------------------------------------------------------
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:

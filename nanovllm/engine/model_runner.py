@@ -46,6 +46,8 @@ class ModelRunner:
         self.use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", rank) if self.use_cuda else torch.device("cpu")
         self.enforce_eager = config.enforce_eager or not self.use_cuda
+        if self.use_cuda and self.block_size % 256 != 0:
+            raise ValueError(f"kvcache_block_size={self.block_size}: flash-attn's paged KV needs a multiple of 256")
         if self.world_size > 1:
             dist.init_process_group("nccl" if self.use_cuda else "gloo", f"tcp://127.0.0.1:{dist_port}",
                                     world_size=self.world_size, rank=rank)

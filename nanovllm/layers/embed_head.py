@@ -28,13 +28,16 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        y = F.embedding((input_ids - self.vocab_start) * in_shard, self.weight) * in_shard.unsqueeze(1).to(self.weight.dtype)
+        y = F.embedding((input_ids - self.vocab_start) * in_shard, self.weight)
+        y = y * in_shard.unsqueeze(1).to(y.dtype)
         dist.all_reduce(y)
         return y
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over a vocabulary split across ranks, gathered on rank 0; prefill scores only each sequence's last token."""
+    """Logits over a vocabulary split across ranks, gathered on rank 0.
+
+    Prefill scores only each sequence's last token: the others are never sampled."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__(num_embeddings, embedding_dim)

@@ -65,7 +65,8 @@ def random_weights(config: dict, std: float, seed: int) -> dict[str, torch.Tenso
     def norm_weight(size: int) -> torch.Tensor:  # near 1, but not 1, so a norm loaded wrongly shows
         return (1.0 + 0.1 * torch.randn(size, generator=gen)).to(dtype)
 
-    weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden), "model.norm.weight": norm_weight(hidden)}
+    weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden),
+               "model.norm.weight": norm_weight(hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         weights.update({
@@ -145,6 +146,16 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
     write_tokenizer(path, config["vocab_size"])
+    return path
+
+
+def default_checkpoint(shape: str) -> str:
+    """A random-weight checkpoint of `shape` in the user's cache, written on first use."""
+    root = os.environ.get("NANOVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanovllm"))
+    path = os.path.join(root, f"{shape}-random")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        print(f"writing a {shape}-shaped checkpoint with RANDOM weights to {path} (no model hub is used)")
+        write_random_checkpoint(path, shape)
     return path
 
 

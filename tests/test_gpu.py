@@ -1,0 +1,118 @@
+"""The CUDA path (flash-attn, Triton KV writes, CUDA graphs) against transformers on the same bf16 weights.
+
+bf16 noise can flip near-ties, so each of our greedy tokens is checked teacher-forced: it must be transformers'
+argmax given our own history, or within LOGIT_MARGIN of it.
+"""
+import pytest
+import torch
+from hf_reference import assert_no_leaks
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import write_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+LOGIT_MARGIN = 0.1  # bf16 logits of this model differ from transformers' by a few hundredths
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    # a wider weight spread than the benchmark checkpoint, so logits are peaked enough to compare
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=0.05, seed=1)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def teacher_forced_gaps(hf_model, prompts, outputs) -> list[float]:
+    """For every generated token: transformers' best logit minus the logit of the token we chose."""
+    gaps = []
+    for prompt, output in zip(prompts, outputs):
+        completion = output["token_ids"]
+        ids = torch.tensor([prompt + completion[:-1]], device="cuda")
+        logits = hf_model(ids).logits[0, len(prompt) - 1:].float()
+        chosen = logits.gather(1, torch.tensor(completion, device="cuda").unsqueeze(1)).squeeze(1)
+        gaps.extend((logits.max(1).values - chosen).tolist())
+    return gaps
+
+
+def check(hf_model, prompts, outputs) -> float:
+    gaps = teacher_forced_gaps(hf_model, prompts, outputs)
+    exact = sum(g == 0 for g in gaps) / len(gaps)
+    print(f"\n{len(gaps)} tokens: {exact:.1%} are transformers' argmax, largest gap {max(gaps):.4f}")
+    assert max(gaps) <= LOGIT_MARGIN
+    assert exact >= 0.95
+    return exact
+
+
+def mixed_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return prompts_of(torch.randint(100, 1501, (64,), generator=g).tolist(), seed=1)
+
+
+@pytest.fixture(scope="module")
+def graph_outputs(model_path, hf_model):
+    with LLM(model_path, **ENGINE) as llm:
+        prompts = mixed_prompts()
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert_no_leaks(llm)
+        # shared prefixes: the second call hits the blocks the first one registered
+        prefix = prompts_of([1100], seed=2)[0]
+        shared = [prefix + s for s in prompts_of([5, 200, 300, 1], seed=3)]
+        allocations = []
+        allocate = llm.scheduler.block_manager.allocate
+
+        def logging_allocate(seq):
+            allocate(seq)
+            allocations.append(seq.num_cached_tokens)
+
+        llm.scheduler.block_manager.allocate = logging_allocate
+        first = llm.generate(shared[:1], GREEDY, use_tqdm=False)
+        second = llm.generate(shared, GREEDY, use_tqdm=False)
+        assert allocations[0] == 0 and all(n >= 1024 for n in allocations[1:]), allocations
+        assert second[0]["token_ids"] == first[0]["token_ids"]
+        check(hf_model, shared, second)
+        assert_no_leaks(llm)
+    return prompts, outputs
+
+
+def test_cuda_graph_decode_matches_transformers(graph_outputs, hf_model):
+    prompts, outputs = graph_outputs
+    assert all(len(o["token_ids"]) == 32 for o in outputs)
+    check(hf_model, prompts, outputs)
+
+
+def test_eager_decode_identical_to_cuda_graphs(graph_outputs, model_path):
+    prompts, outputs = graph_outputs
+    with LLM(model_path, enforce_eager=True, **ENGINE) as llm:
+        eager = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in eager] == [o["token_ids"] for o in outputs]
+
+
+def test_chunked_prefill_and_preemption_match_transformers(model_path, hf_model):
+    prompts = mixed_prompts()[:24]
+    with LLM(model_path, max_num_batched_tokens=1024, num_kvcache_blocks=24, max_model_len=4096) as llm:
+        preempted = []
+        preempt = llm.scheduler._preempt
+        llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                               use_tqdm=False)
+        assert preempted, "24 blocks were meant to be too few for 24 sequences"
+        assert_no_leaks(llm)
+    check(hf_model, prompts, outputs)
+
+
+def test_kv_budget_too_small_is_a_clear_error(model_path):
+    with pytest.raises(RuntimeError, match="holds no block"):
+        LLM(model_path, gpu_memory_utilization=0.01)
