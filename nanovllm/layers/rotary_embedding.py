@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from nanovllm.layers import fused
+
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table per position."""
@@ -11,6 +13,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
+    @fused
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

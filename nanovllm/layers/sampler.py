@@ -1,10 +1,13 @@
 import torch
 from torch import nn
 
+from nanovllm.layers import fused
+
 
 class Sampler(nn.Module):
     """One token per row: argmax where temperature is 0, else a draw from softmax(logits / temperature)."""
 
+    @fused
     def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
         logits = logits.float()
         greedy = logits.argmax(dim=-1)
