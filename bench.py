@@ -26,19 +26,23 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="profile one more run: CPU phases, GPU kernel classes")
     args = parser.parse_args()
 
     path = args.model or default_checkpoint(args.shape)
-    seed(0)
-    prompts = [[randint(0, 10000) for _ in range(randint(100, args.max_input_len))] for _ in range(args.num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, args.max_output_len))
-              for _ in range(args.num_seqs)]
-
     start = time.perf_counter()
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size)
     startup = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+
+    seed(0)
+    max_id = min(10000, llm.vocab_size - 1)
+    prompts = [[randint(0, max_id) for _ in range(randint(min(100, args.max_input_len), args.max_input_len))]
+               for _ in range(args.num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True,
+                             max_tokens=randint(min(100, args.max_output_len), args.max_output_len))
+              for _ in range(args.num_seqs)]
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"device: {device}, date: {date.today()}, model: {path}, startup: {startup:.1f} s, "
@@ -51,6 +55,8 @@ def main() -> None:
         total = sum(len(o["token_ids"]) for o in outputs)
         times.append(elapsed)
         print(f"run {run + 1}: Total: {total} tok, Time: {elapsed:.2f} s, Throughput: {total / elapsed:.0f} tok/s")
+    if args.profile:
+        profile_run(llm, prompts, params)
     if torch.cuda.is_available():
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     cold = times[0]
@@ -60,6 +66,53 @@ def main() -> None:
         print(f"Total: {total} tok, Time: {warm:.2f} s, Throughput: {total / warm:.0f} tok/s  "
               f"(warm: median of runs 2..{len(times)})")
     llm.exit()
+
+
+KERNEL_CLASSES = [("attention", ("flash",)), ("kv-store", ("store_kvcache",)),
+                  ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "cublas")), ("fused-elementwise", ("triton_",))]
+
+
+def profile_run(llm: LLM, prompts, params) -> None:
+    """One run under torch.profiler: wall time split into engine phases (CPU) and kernel classes (GPU)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(obj, name: str, label: str) -> None:
+        method = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            with record_function(label):
+                return method(*args, **kwargs)
+
+        setattr(obj, name, wrapper)
+
+    runner, scheduler = llm.model_runner, llm.scheduler
+    for obj, name in [(scheduler, "schedule"), (scheduler, "postprocess"), (runner, "prepare_prefill"),
+                      (runner, "prepare_decode"), (runner, "run_model"), (runner.sampler, "forward")]:
+        labelled(obj, name, f"phase:{type(obj).__name__}.{name}")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    events = prof.key_averages()
+    print(f"profile: wall {wall:.2f} s (includes profiler overhead)")
+    for e in sorted((e for e in events if e.key.startswith("phase:")), key=lambda e: -e.cpu_time_total):
+        print(f"  cpu  {e.key[6:]:<32} {e.cpu_time_total / 1e6:7.2f} s  calls {e.count}")
+    kernels = [e for e in events if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    by_class: dict[str, float] = {}
+    for e in kernels:
+        name = e.key.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+        by_class[cls] = by_class.get(cls, 0.0) + e.device_time_total / 1e6
+    busy = sum(by_class.values())
+    for cls, seconds in sorted(by_class.items(), key=lambda kv: -kv[1]):
+        print(f"  gpu  {cls:<32} {seconds:7.2f} s")
+    print(f"  gpu  busy {busy:.2f} s, idle {max(wall - busy, 0):.2f} s of {wall:.2f} s")
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:8]
+    for e in top:
+        print(f"  top  {e.key[:70]:<70} {e.device_time_total / 1e6:6.2f} s  x{e.count}")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class ModelRunner:
         self.use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", rank) if self.use_cuda else torch.device("cpu")
         self.enforce_eager = config.enforce_eager or not self.use_cuda
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         if self.use_cuda and self.block_size % 256 != 0:
             raise ValueError(f"kvcache_block_size={self.block_size}: flash-attn's paged KV needs a multiple of 256")
         if self.world_size > 1:
@@ -219,21 +220,23 @@ class ModelRunner:
                 self._to_device(np.concatenate(positions).astype(np.int64)))
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(seqs)
-        input_ids = np.empty(n, dtype=np.int64)
-        positions = np.empty(n, dtype=np.int64)
-        slots = np.empty(n, dtype=np.int64)
-        context_lens = np.empty(n, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            input_ids[i] = seq.scheduled_token_ids[0]
-            positions[i] = len(seq) - 1
-            context_lens[i] = len(seq)
-            slots[i] = seq.block_table[-1] * self.block_size + seq.last_block_num_tokens - 1
+        """One int32 host buffer, one copy: decode runs every few milliseconds, so per-tensor transfers add up."""
+        n, width = len(seqs), self.max_blocks_per_seq
+        host = np.zeros((4 + width, n), dtype=np.int32)
+        context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
+        last_blocks = np.fromiter((seq.block_table[-1] for seq in seqs), np.int32, n)
+        host[0] = [seq.scheduled_token_ids[0] for seq in seqs]
+        host[1] = context_lens - 1  # the position of the token being fed
+        host[2] = last_blocks * self.block_size + (context_lens - 1) % self.block_size
+        host[3] = context_lens
         # full width every step, so a CUDA graph's block-table buffer never keeps a wider step's entries
-        width = -(-self.config.max_model_len // self.block_size)
-        set_context(is_prefill=False, slot_mapping=self._to_device(slots),
-                    context_lens=self._to_device(context_lens), block_tables=self._block_tables(seqs, width))
-        return self._to_device(input_ids), self._to_device(positions)
+        tables = host[4:].T
+        for i, seq in enumerate(seqs):
+            tables[i, : len(seq.block_table)] = seq.block_table
+        device = self._to_device(host)
+        set_context(is_prefill=False, slot_mapping=device[2], context_lens=device[3],
+                    block_tables=device[4:].T.contiguous())
+        return device[0], device[1]
 
     def prepare_temperatures(self, seqs: list[Sequence]) -> torch.Tensor:
         return self._to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32))
@@ -270,13 +273,12 @@ class ModelRunner:
     def capture_cudagraph(self) -> None:
         hf = self.config.hf_config
         max_bs = min(self.config.max_num_seqs, 512)
-        width = -(-self.config.max_model_len // self.block_size)
         gv = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64),
-            positions=torch.zeros(max_bs, dtype=torch.int64),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64),
+            input_ids=torch.zeros(max_bs, dtype=torch.int32),
+            positions=torch.zeros(max_bs, dtype=torch.int32),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
             context_lens=torch.zeros(max_bs, dtype=torch.int32),
-            block_tables=torch.zeros(max_bs, width, dtype=torch.int32),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32),
             outputs=torch.zeros(max_bs, hf.hidden_size),
         )
         self.graph_bs = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
