@@ -124,3 +124,19 @@ def test_sampling_params_per_prompt_and_eos(llm, hf_model):
     assert outputs[0]["token_ids"] == expected
     assert len(outputs[1]["token_ids"]) == 5
     assert llm.generate([], GREEDY) == []
+
+
+def test_tensor_parallel_2_identical_to_1(tiny_model, hf_model):
+    prompts = random_prompts([500, 480, 460, 490, 300, 20], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(tiny_model, num_kvcache_blocks=8) as single:
+        expected = single.generate(prompts, params, use_tqdm=False)
+    with LLM(tiny_model, num_kvcache_blocks=8, tensor_parallel_size=2) as llm:
+        preempted = record(llm.scheduler, "_preempt")
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate(prompts, params, use_tqdm=False)  # now with prefix-cache hits
+        assert preempted
+        assert_no_leaks(llm)
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    assert [o["token_ids"] for o in again] == [o["token_ids"] for o in expected]
+    check_against_hf(hf_model, prompts, outputs)

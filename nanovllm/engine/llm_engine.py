@@ -1,11 +1,8 @@
 import atexit
 import gc
-import socket
-import uuid
 from time import perf_counter
 
 import torch
-import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -13,17 +10,8 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_workers import Workers, deferred_interrupt
 from nanovllm.sampling_params import SamplingParams
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_main(config: Config, rank: int, event, shm_name: str, port: int) -> None:
-    ModelRunner(config, rank, event, shm_name, port)
 
 
 class LLMEngine:
@@ -32,18 +20,25 @@ class LLMEngine:
     def __init__(self, model: str, **options) -> None:
         config = Config.from_options(model, **options)
         self.config = config
-        self.processes = []
-        self.events = []
-        shm_name = f"nanovllm-{uuid.uuid4().hex[:12]}"
-        port = _free_port() if config.tensor_parallel_size > 1 else 0
-        ctx = mp.get_context("spawn")
-        for rank in range(1, config.tensor_parallel_size):
-            event = ctx.Event()
-            process = ctx.Process(target=_worker_main, args=(config, rank, event, shm_name, port))
-            process.start()
-            self.processes.append(process)
-            self.events.append(event)
-        self.model_runner = ModelRunner(config, 0, self.events, shm_name, port)
+        self.workers = None
+        self._exited = True  # until there is something to release
+        if config.tensor_parallel_size > 1:
+            if torch.cuda.is_available() and torch.cuda.device_count() < config.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
+                                 f"{torch.cuda.device_count()} visible CUDA devices")
+            self.workers = Workers(config)
+        try:
+            if self.workers is not None:
+                self.workers.wait_started()
+            if self.workers is None:
+                self.model_runner = ModelRunner(config)
+            else:
+                self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.shm_name,
+                                                self.workers.events)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.join(timeout=5)
+            raise
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = config.hf_config.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
@@ -51,14 +46,21 @@ class LLMEngine:
         atexit.register(self.exit)
 
     def exit(self) -> None:
+        """Stop the workers, unlink the shared-memory segment and free the model and KV cache. Idempotent."""
         if self._exited:
             return
         self._exited = True
         atexit.unregister(self.exit)
-        self.model_runner.call("exit")
-        del self.model_runner
-        for process in self.processes:
-            process.join()
+        try:
+            # signalling a killed worker's Event can block forever, so the dead are not told
+            if self.workers is None or not self.workers.any_dead():
+                self.model_runner.call("exit")
+            else:
+                self.model_runner.exit()
+        finally:
+            del self.model_runner
+            if self.workers is not None:
+                self.workers.join()
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory
@@ -93,7 +95,12 @@ class LLMEngine:
         if not seqs:  # the step only retired requests that can never fit
             return seqs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        if self.workers is None:
+            token_ids = self.model_runner.call("run", seqs, is_prefill)
+        else:
+            self.workers.check_alive()  # a dead peer would leave rank 0 waiting in a collective
+            with deferred_interrupt():
+                token_ids = self.model_runner.call("run", seqs, is_prefill)
         self.scheduler.postprocess(seqs, token_ids)
         return seqs, num_tokens
 

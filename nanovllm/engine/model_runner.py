@@ -7,13 +7,12 @@ import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.worker_channel import WorkerChannel
+from nanovllm.engine.tp_workers import WorkerChannel
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
-
-SHM_SIZE = 1 << 24
+from nanovllm.utils.parallel import TensorParallelGroup
 
 
 def model_dtype(hf_config) -> torch.dtype:
@@ -35,8 +34,8 @@ def available_cpu_memory() -> int:
 class ModelRunner:
     """One per rank: owns the model and the KV cache, turns scheduled sequences into tensors and tensors into tokens."""
 
-    def __init__(self, config: Config, rank: int, events: list[Event] | Event, shm_name: str = "",
-                 dist_port: int = 0) -> None:
+    def __init__(self, config: Config, rank: int = 0, store: dist.Store | None = None, shm_name: str = "",
+                 events: list[Event] | Event = ()) -> None:
         self.config = config
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
@@ -49,16 +48,14 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         if self.use_cuda and self.block_size % 256 != 0:
             raise ValueError(f"kvcache_block_size={self.block_size}: flash-attn's paged KV needs a multiple of 256")
-        if self.world_size > 1:
-            dist.init_process_group("nccl" if self.use_cuda else "gloo", f"tcp://127.0.0.1:{dist_port}",
-                                    world_size=self.world_size, rank=rank)
         if self.use_cuda:
             torch.cuda.set_device(self.device)
+        self.tp = TensorParallelGroup.connect(store, rank, self.world_size, self.use_cuda)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(model_dtype(hf_config))
         torch.set_default_device(self.device)
         try:
-            self.model = Qwen3ForCausalLM(hf_config)
+            self.model = Qwen3ForCausalLM(hf_config, self.tp)
             load_model(self.model, config.model)
             self.sampler = Sampler()
             self.warmup_model()
@@ -72,11 +69,11 @@ class ModelRunner:
         if self.world_size > 1:
             # workers attach to the segment only after rank 0 has created it
             if rank == 0:
-                self.channel = WorkerChannel(shm_name, SHM_SIZE, create=True)
-                dist.barrier()
+                self.channel = WorkerChannel(shm_name, create=True)
+                store.set(shm_name, "ready")
             else:
-                dist.barrier()
-                self.channel = WorkerChannel(shm_name, SHM_SIZE, create=False)
+                store.wait([shm_name])
+                self.channel = WorkerChannel(shm_name, create=False)
                 self.loop()
 
     # --- tensor-parallel plumbing -------------------------------------------------------------------------
@@ -99,8 +96,7 @@ class ModelRunner:
             del self.graphs, self.graph_pool
         if self.use_cuda:
             torch.cuda.synchronize()
-        if self.world_size > 1:
-            dist.destroy_process_group()
+        self.tp = None
 
     # --- startup -----------------------------------------------------------------------------------------
     def warmup_model(self) -> None:
@@ -158,10 +154,9 @@ class ModelRunner:
             self.num_kvcache_blocks = self.config.num_kvcache_blocks
         else:
             self.num_kvcache_blocks = self.num_blocks_from_memory(block_bytes)
-        if self.world_size > 1:  # every rank must agree, or block ids would mean different slots
-            n = torch.tensor([self.num_kvcache_blocks], device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MIN)
-            self.num_kvcache_blocks = int(n.item())
+        # every rank must agree, or block ids would mean different slots
+        n = self.tp.all_reduce(torch.tensor([self.num_kvcache_blocks], device=self.device), dist.ReduceOp.MIN)
+        self.num_kvcache_blocks = int(n.item())
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         kv_heads = hf.num_key_value_heads // self.world_size
         self.kv_cache = torch.empty(2, hf.num_hidden_layers, self.num_kvcache_blocks, self.block_size, kv_heads,

@@ -1,18 +1,18 @@
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.linear import tp_rank_and_size
 from nanovllm.utils.context import get_context
+from nanovllm.utils.parallel import TensorParallelGroup
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; ids outside a rank's rows contribute zeros to the all-reduce."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.num_embeddings_per_rank = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
@@ -30,8 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         y = F.embedding((input_ids - self.vocab_start) * in_shard, self.weight)
         y = y * in_shard.unsqueeze(1).to(y.dtype)
-        dist.all_reduce(y)
-        return y
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -39,17 +38,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Prefill scores only each sequence's last token: the others are never sampled."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(num_embeddings, embedding_dim)
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp)
         self.num_embeddings = num_embeddings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(x, self.weight)
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-            dist.gather(logits, parts, 0)
-            logits = torch.cat(parts, -1) if self.tp_rank == 0 else None
-        return logits[:, : self.num_embeddings] if logits is not None else None
+        parts = self.tp.gather_to_first(F.linear(x, self.weight))
+        if parts is None:
+            return None
+        # the last rank's rows are padded when the vocabulary does not split evenly
+        return torch.cat(parts, -1)[:, : self.num_embeddings]

@@ -1,21 +1,16 @@
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+from nanovllm.utils.parallel import TensorParallelGroup
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; each rank keeps its slice of y."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         assert output_size % self.tp_size == 0, f"output size {output_size} not divisible by {self.tp_size} ranks"
         self.weight = nn.Parameter(torch.empty(output_size // self.tp_size, input_size))
         self.weight.weight_loader = self.weight_loader
@@ -35,9 +30,9 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input packed into one matmul (gate and up)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallelGroup, bias: bool = False) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), tp, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -48,11 +43,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections packed into one matmul; each rank holds whole heads of each."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, tp: TensorParallelGroup,
+                 bias: bool = False) -> None:
         self.head_dim = head_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim // self.tp_size
@@ -64,9 +60,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         assert input_size % self.tp_size == 0, f"input size {input_size} not divisible by {self.tp_size} ranks"
         self.weight = nn.Parameter(torch.empty(output_size, input_size // self.tp_size))
         self.weight.weight_loader = self.weight_loader
@@ -82,6 +79,4 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, on rank 0, so the all-reduce counts it once
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        return self.tp.all_reduce(y)

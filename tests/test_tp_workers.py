@@ -1,0 +1,76 @@
+"""Tensor-parallel lifecycle on CPU (gloo): no collisions, no leftovers, clear errors."""
+import os
+
+import pytest
+import torch
+from hf_reference import assert_no_leaks
+from test_e2e_transformers import random_prompts
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine.tp_workers import SHM_SIZE, WorkerChannel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def assert_released(llm) -> None:
+    assert not os.path.exists(f"/dev/shm/{llm.workers.shm_name}")
+    assert not any(p.is_alive() for p in llm.workers.processes)
+
+
+def test_oversized_message_is_an_error_not_a_truncation():
+    channel = WorkerChannel("nanovllm-test-oversized", create=True)
+    try:
+        with pytest.raises(RuntimeError, match="exceeds"):
+            channel.send([], "run", b"x" * SHM_SIZE)
+        assert int.from_bytes(channel.shm.buf[:4], "little") == 0  # nothing was written
+    finally:
+        channel.close()
+    assert not os.path.exists("/dev/shm/nanovllm-test-oversized")
+
+
+def test_bad_tensor_parallel_size_is_a_clear_error(tiny_model):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide num_attention_heads=4"):
+        LLM(tiny_model, tensor_parallel_size=3)
+
+
+def test_two_engines_at_once_exceptions_and_clean_exit(tiny_model):
+    prompts = random_prompts([300, 40, 90], seed=9)
+    with LLM(tiny_model, num_kvcache_blocks=16) as single:
+        expected = [o["token_ids"] for o in single.generate(prompts, GREEDY, use_tqdm=False)]
+    first = LLM(tiny_model, num_kvcache_blocks=16, tensor_parallel_size=2)
+    with pytest.raises(KeyError):
+        with LLM(tiny_model, num_kvcache_blocks=16, tensor_parallel_size=2) as second:
+            assert first.workers.shm_name != second.workers.shm_name
+            assert first.workers.store.port != second.workers.store.port
+            assert [o["token_ids"] for o in first.generate(prompts, GREEDY, use_tqdm=False)] == expected
+            assert [o["token_ids"] for o in second.generate(prompts, GREEDY, use_tqdm=False)] == expected
+
+            # an exception between steps: the engine frees everything and stays usable
+            calls = 0
+            postprocess = second.scheduler.postprocess
+
+            def failing_postprocess(seqs, token_ids):
+                nonlocal calls
+                calls += 1
+                if calls == 3:
+                    raise KeyboardInterrupt
+                postprocess(seqs, token_ids)
+
+            second.scheduler.postprocess = failing_postprocess
+            with pytest.raises(KeyboardInterrupt):
+                second.generate(prompts, GREEDY, use_tqdm=False)
+            assert_no_leaks(second)
+            second.scheduler.postprocess = postprocess
+            assert [o["token_ids"] for o in second.generate(prompts, GREEDY, use_tqdm=False)] == expected
+            raise KeyError("leaving the with block by an exception")
+    assert_released(second)
+    assert [o["token_ids"] for o in first.generate(prompts, GREEDY, use_tqdm=False)] == expected
+
+    # a worker that dies makes the next call fail fast, and exit still cleans up
+    first.workers.processes[0].kill()
+    first.workers.processes[0].join()
+    with pytest.raises(RuntimeError, match="rank 1"):
+        first.generate(prompts, GREEDY, use_tqdm=False)
+    first.exit()
+    assert_released(first)
+    assert torch.multiprocessing.active_children() == []
