@@ -1,21 +1,66 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How one request is sampled and when it stops.
+    """How one request is sampled and when it stops (the subset of vLLM's SamplingParams an offline user needs).
 
-    temperature: 0 means greedy (argmax); higher values flatten the distribution.
-    max_tokens: the most tokens to generate (the request also stops at the engine's max_model_len).
+    temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
+    top_k: keep only the k most likely tokens (-1 or 0: off).
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1: off).
+    min_p: drop tokens less likely than min_p times the most likely one (0: off).
+        The filters apply in that order: temperature, top-k, top-p, min-p, each to what the last one left.
+    seed: per-request seed; the same prompt and seed give the same tokens whatever else is in the batch.
+    max_tokens: the most tokens to generate (generation also stops at the engine's max_model_len).
+    min_tokens: end-of-sequence and stop tokens are suppressed until this many tokens are generated.
+    stop: strings that end generation; the output text ends before the stop string.
+    stop_token_ids: token ids that end generation, besides the model's end-of-sequence tokens.
     ignore_eos: keep generating past end-of-sequence tokens (for benchmarks).
+    logprobs: None, or k: return the sampled token's log-probability and the k most likely at each step.
     """
 
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
     max_tokens: int = 64
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check("temperature", self.temperature, 0.0 <= _number(self.temperature) <= 100.0, "[0, 100]")
+        _check("top_k", self.top_k, _integer(self.top_k) and self.top_k >= -1, "-1, 0 (off) or a positive integer")
+        _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
+        _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
+        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer")
+        _check("max_tokens", self.max_tokens, _integer(self.max_tokens) and self.max_tokens >= 1, ">= 1")
+        _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"[0, max_tokens={self.max_tokens}]")
+        _check("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings")
+        _check("stop_token_ids", self.stop_token_ids, all(_integer(t) and t >= 0 for t in self.stop_token_ids),
+               "non-negative integers")
+        _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
+               "None or an integer >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(name: str, value, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is out of range: allowed {allowed}")

@@ -49,12 +49,12 @@ def test_two_engines_at_once_exceptions_and_clean_exit(tiny_model):
             calls = 0
             postprocess = second.scheduler.postprocess
 
-            def failing_postprocess(seqs, token_ids):
+            def failing_postprocess(*args):
                 nonlocal calls
                 calls += 1
                 if calls == 3:
                     raise KeyboardInterrupt
-                postprocess(seqs, token_ids)
+                postprocess(*args)
 
             second.scheduler.postprocess = failing_postprocess
             with pytest.raises(KeyboardInterrupt):

@@ -41,7 +41,7 @@ class LLMEngine:
             raise
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = config.hf_config.vocab_size
-        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.tokenizer.decode)
         self._exited = False
         atexit.register(self.exit)
 
@@ -96,12 +96,12 @@ class LLMEngine:
             return seqs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         if self.workers is None:
-            token_ids = self.model_runner.call("run", seqs, is_prefill)
+            output = self.model_runner.call("run", seqs, is_prefill)
         else:
             self.workers.check_alive()  # a dead peer would leave rank 0 waiting in a collective
             with deferred_interrupt():
-                token_ids = self.model_runner.call("run", seqs, is_prefill)
-        self.scheduler.postprocess(seqs, token_ids)
+                output = self.model_runner.call("run", seqs, is_prefill)
+        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
         return seqs, num_tokens
 
     def is_finished(self) -> bool:
@@ -146,8 +146,11 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> dict:
         token_ids = seq.completion_token_ids
-        return {
-            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
-            "token_ids": token_ids,
-            "finish_reason": seq.finish_reason,
-        }
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if seq.finish_reason == "stop" and seq.params.stop:
+            # the text ends before the first stop string (the token ids keep the token that completed it)
+            text = text[: min((text.find(s) for s in seq.params.stop if s in text), default=len(text))]
+        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
+        if seq.params.logprobs is not None:
+            output["logprobs"] = seq.logprobs
+        return output

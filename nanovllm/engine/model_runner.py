@@ -8,7 +8,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_workers import WorkerChannel
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
@@ -233,8 +233,26 @@ class ModelRunner:
                     block_tables=device[4:].T.contiguous())
         return device[0], device[1]
 
-    def prepare_temperatures(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._to_device(np.array([seq.temperature for seq in seqs], dtype=np.float32))
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [seq.params for seq in seqs]
+        as_tensor = lambda values, dtype: self._to_device(np.array(values, dtype=dtype))  # noqa: E731
+        tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
+        if any(p.top_k > 0 for p in params):
+            tensors.top_k = as_tensor([max(p.top_k, 0) for p in params], np.int64)
+        if any(p.top_p < 1.0 for p in params):
+            tensors.top_p = as_tensor([p.top_p for p in params], np.float32)
+        if any(p.min_p > 0.0 for p in params):
+            tensors.min_p = as_tensor([p.min_p for p in params], np.float32)
+        # the step's seed mixes in how many tokens the request has so far, so a replay after preemption matches
+        tensors.seeds = [(i, (p.seed * 1_000_003 + seq.num_completion_tokens) % (1 << 63))
+                         for i, (p, seq) in enumerate(zip(params, seqs)) if p.seed is not None and p.temperature]
+        banned = [(i, t) for i, (p, seq) in enumerate(zip(params, seqs)) if seq.num_completion_tokens < p.min_tokens
+                  for t in (*p.stop_token_ids, *self.config.eos_token_ids)]
+        if banned:
+            rows, ids = zip(*banned)
+            tensors.banned = (as_tensor(rows, np.int64), as_tensor(ids, np.int64))
+        tensors.num_logprobs = max((p.logprobs or 0 for p in params), default=0)
+        return tensors
 
     # --- forward -----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -255,12 +273,12 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         return self.model.compute_logits(gv["outputs"][:bs])
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput | None:
         input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
-        temperatures = self.prepare_temperatures(seqs) if self.rank == 0 else None
+        sampling = self.prepare_sampling(seqs) if self.rank == 0 else None
         try:
             logits = self.run_model(input_ids, positions, is_prefill)
-            return self.sampler(logits, temperatures).tolist() if self.rank == 0 else None
+            return self.sampler(logits, sampling) if self.rank == 0 else None
         finally:
             reset_context()
 

@@ -1,4 +1,5 @@
 from collections import deque
+from collections.abc import Callable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
@@ -8,7 +9,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 class Scheduler:
     """Decides what each step computes: prefill first (chunked past the token budget), else one decode token each."""
 
-    def __init__(self, config: Config, num_blocks: int) -> None:
+    def __init__(self, config: Config, num_blocks: int, decode: Callable[[list[int]], str] = lambda ids: "") -> None:
+        self.decode = decode  # token ids -> text, for stop strings
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -80,19 +82,37 @@ class Scheduler:
         seq.finish_reason = reason
         self.block_manager.deallocate(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> None:
-        for seq, token_id in zip(seqs, token_ids):
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
+                    logprobs: list[dict[int, float]] | None = None) -> None:
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             if seq.num_cached_tokens < len(seq):
                 continue  # a prefill chunk that does not reach the end of the prompt samples nothing
             seq.append_token(token_id)
-            if not seq.ignore_eos and token_id in self.eos_token_ids:
-                self._finish(seq, "stop")
-            elif seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
-                self._finish(seq, "length")
-            if seq.is_finished:
+            if logprobs is not None and seq.params.logprobs is not None:
+                # the batch computed as many as its greediest row asked for; keep this request's k and its token
+                top = dict(list(logprobs[i].items())[: seq.params.logprobs])
+                seq.logprobs.append({**top, token_id: logprobs[i][token_id]})
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self._finish(seq, reason)
                 self.running.remove(seq)
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        if seq.num_completion_tokens > params.min_tokens:  # the sampler masks stop tokens before that
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                return "stop"
+            if params.stop:
+                # a stop string spans at most as many tokens as it has characters; a few more cover partial bytes
+                window = max(len(s) for s in params.stop) + 8
+                tail = self.decode(seq.completion_token_ids[-window:])
+                if any(s in tail for s in params.stop):
+                    return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
 
     def abort_all(self) -> list[Sequence]:
         """Drop every request after a failed or interrupted step, returning their blocks and forgetting

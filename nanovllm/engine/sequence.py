@@ -28,10 +28,9 @@ class Sequence:
         # tokens the current step computes, starting at num_cached_tokens
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
-        self.temperature = sampling_params.temperature
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
+        self.params = sampling_params  # read on rank 0 only; workers never sample
         self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] = []  # one entry per generated token, when params.logprobs is set
         self._shipped_token_ids: list[int] = []
 
     def __len__(self) -> int:

@@ -1,17 +1,99 @@
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from nanovllm.layers import fused
 
 
-class Sampler(nn.Module):
-    """One token per row: argmax where temperature is 0, else a draw from softmax(logits / temperature)."""
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings on the logits' device. Optional parts are None when no row uses them,
+    so the common case (temperature only) skips the sort that top-k/top-p need."""
 
-    @fused
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    temperatures: torch.Tensor
+    top_k: torch.Tensor | None = None  # 0 = off
+    top_p: torch.Tensor | None = None  # 1 = off
+    min_p: torch.Tensor | None = None  # 0 = off
+    seeds: list[tuple[int, int]] | None = None  # (row, seed for this row at this step)
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out (min_tokens)
+    num_logprobs: int = 0  # the largest k any row asked for
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None  # per row: sampled token and the top k, id -> logprob
+
+
+@fused
+def _sample_plain(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p, with no sync or sort
+    probs = torch.softmax(logits / temperatures.clamp_min(1e-5).unsqueeze(1), dim=-1)
+    sampled = probs.div_(torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)).argmax(dim=-1)
+    return torch.where(temperatures == 0, logits.argmax(dim=-1), sampled)
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                  min_p: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf what top-k, then top-p, then min-p remove from already temperature-scaled logits."""
+    if top_k is not None or top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, logits.size(-1)).clamp(max=logits.size(-1))
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if top_p is not None:
+            probs = sorted_logits.softmax(dim=-1)
+            # drop a token when the more likely ones before it already reach top_p (the first always stays)
+            before = probs.cumsum(dim=-1) - probs
+            sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values,
+                                    float("-inf"))
+    return logits
+
+
+class Sampler(nn.Module):
+    """One token per row: argmax where temperature is 0, else a draw from the filtered, tempered distribution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator: torch.Generator | None = None
+
+    def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         logits = logits.float()
+        if params.banned is not None:
+            logits[params.banned] = float("-inf")
+        if params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds:
+            tokens = _sample_plain(logits, params.temperatures)
+        else:
+            tokens = self._sample(logits, params)
+        logprobs = None
+        if params.num_logprobs:
+            # logprobs of the model's own distribution, as vLLM reports them: before temperature and filters
+            all_logprobs = logits.log_softmax(dim=-1)
+            top = all_logprobs.topk(params.num_logprobs, dim=-1)
+            chosen = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            logprobs = [{**dict(zip(ids, values)), token: value} for ids, values, token, value in
+                        zip(top.indices.tolist(), top.values.tolist(), tokens.tolist(), chosen.tolist())]
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        temperatures = params.temperatures
+        scaled = filter_logits(logits / temperatures.clamp_min(1e-5).unsqueeze(1), params.top_k, params.top_p,
+                               params.min_p)
+        probs = scaled.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(1)
+        if params.seeds:
+            # a seeded row draws from its own stream, so the batch around it cannot change its tokens
+            if self.generator is None or self.generator.device != logits.device:
+                self.generator = torch.Generator(logits.device)
+            for row, seed in params.seeds:
+                self.generator.manual_seed(seed)
+                noise[row].exponential_(1, generator=self.generator)
+        sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
         greedy = logits.argmax(dim=-1)
-        probs = torch.softmax(logits / temperatures.clamp_min(1e-5).unsqueeze(1), dim=-1)
-        # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p, with no sync or sort
-        sampled = probs.div_(torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)).argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)
