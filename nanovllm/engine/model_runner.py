@@ -273,6 +273,7 @@ class ModelRunner:
         self.graphs[graph_bs].replay()
         return self.model.compute_logits(gv["outputs"][:bs])
 
+    @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput | None:
         input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
         sampling = self.prepare_sampling(seqs) if self.rank == 0 else None
