@@ -131,3 +131,41 @@ def test_tensor_parallel_2_matches_transformers_and_tp1(graph_outputs, model_pat
     all_agree = sum(a["token_ids"] == b["token_ids"] for a, b in zip(outputs, single)) / len(prompts)
     print(f"TP=2 vs TP=1: first token agrees for {first_agree:.0%}, whole sequence for {all_agree:.0%}")
     assert first_agree >= 0.75
+
+
+def test_graph_block_tables_at_full_width_and_sampling_options(model_path, hf_model):
+    """Decode up to max_model_len (every block-table column in use), then narrower batches in the same graphs."""
+    long_prompt, short_prompts = prompts_of([900], seed=5)[0], prompts_of([30, 300, 5], seed=6)
+    with LLM(model_path, max_model_len=1024, gpu_memory_utilization=0.3) as llm:
+        long = llm.generate([long_prompt] + short_prompts, SamplingParams(temperature=0, max_tokens=200,
+                                                                            ignore_eos=True), use_tqdm=False)
+        assert long[0]["finish_reason"] == "length" and len(long_prompt) + len(long[0]["token_ids"]) == 1024
+        short = llm.generate(short_prompts, GREEDY, use_tqdm=False)
+        check(hf_model, [long_prompt] + short_prompts + short_prompts, long + short)
+        # sampling options on the GPU: seeds independent of the batch, filters, logprobs, min_tokens
+        seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=100, min_p=0.02, seed=3, max_tokens=16,
+                                ignore_eos=True, logprobs=2)
+        alone = llm.generate(short_prompts[:1], seeded, use_tqdm=False)[0]
+        again = llm.generate(short_prompts[:1] * 3, seeded, use_tqdm=False)
+        assert all(o["token_ids"] == alone["token_ids"] for o in again)
+        assert all(len(step) in (2, 3) for step in alone["logprobs"])
+        assert_no_leaks(llm)
+
+
+def test_kv_budget_counts_memory_held_elsewhere(model_path):
+    options = dict(gpu_memory_utilization=0.5, enforce_eager=True, max_num_batched_tokens=4096)
+    with LLM(model_path, **options) as llm:
+        base, block_bytes = llm.model_runner.num_kvcache_blocks, llm.model_runner.kv_block_bytes()
+    held = torch.empty(16 << 30, dtype=torch.uint8, device="cuda")  # 16 GiB that this engine may not use
+    try:
+        with LLM(model_path, **options) as llm:
+            fewer = llm.model_runner.num_kvcache_blocks
+        expected = base - (16 << 30) // block_bytes
+        print(f"\nKV blocks: {base} free, {fewer} with 16 GiB held elsewhere (expected about {expected})")
+        assert abs(fewer - expected) <= 0.02 * base
+        total = torch.cuda.mem_get_info()[1]
+        with pytest.raises(RuntimeError, match="holds no block"):
+            LLM(model_path, gpu_memory_utilization=(16 << 30) / total, enforce_eager=True)
+    finally:
+        del held
+        torch.cuda.empty_cache()
