@@ -46,7 +46,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        parts = self.tp.gather_to_first(F.linear(x, self.weight))
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = self.tp.gather_to_first(logits)
         if parts is None:
             return None
         # the last rank's rows are padded when the vocabulary does not split evenly

@@ -28,7 +28,9 @@ class SamplerOutput:
 
 @fused
 def _sample_plain(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p, with no sync or sort
+    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p, with no sync or sort.
+    # The float32 upcast happens here, fused, rather than as a separate pass over the logits.
+    logits = logits.float()
     probs = torch.softmax(logits / temperatures.clamp_min(1e-5).unsqueeze(1), dim=-1)
     sampled = probs.div_(torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)).argmax(dim=-1)
     return torch.where(temperatures == 0, logits.argmax(dim=-1), sampled)
@@ -64,13 +66,14 @@ class Sampler(nn.Module):
         self.generator: torch.Generator | None = None
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        plain = (params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds
+                 and params.banned is None and not params.num_logprobs)
+        if plain:  # the common case: one fused kernel
+            return SamplerOutput(_sample_plain(logits, params.temperatures).tolist())
         logits = logits.float()
         if params.banned is not None:
             logits[params.banned] = float("-inf")
-        if params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds:
-            tokens = _sample_plain(logits, params.temperatures)
-        else:
-            tokens = self._sample(logits, params)
+        tokens = self._sample(logits, params)
         logprobs = None
         if params.num_logprobs:
             # logprobs of the model's own distribution, as vLLM reports them: before temperature and filters
