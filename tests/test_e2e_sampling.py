@@ -59,6 +59,9 @@ def test_logprobs_match_transformers(llm, hf_model):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out["logprobs"]) == 6
+    only_sampled = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, logprobs=0, ignore_eos=True),
+                                use_tqdm=False)[0]
+    assert [list(entry) for entry in only_sampled["logprobs"]] == [[t] for t in only_sampled["token_ids"]]
     with torch.inference_mode():
         ids = torch.tensor([prompt + out["token_ids"][:-1]])
         expected = hf_model(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1)

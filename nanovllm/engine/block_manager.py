@@ -132,6 +132,8 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Prepare seq for a decode step that computes the KV of its last token."""
-        if len(seq) % self.block_size == 1:
+        position_in_block = len(seq) % self.block_size
+        if position_in_block == 1:
             seq.block_table.append(self._take_free_block())
-        self.register_full_blocks(seq, len(seq))
+        elif position_in_block == 0:  # this token fills its block
+            self.register_full_blocks(seq, len(seq))

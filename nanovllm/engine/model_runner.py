@@ -51,8 +51,9 @@ class ModelRunner:
         if self.use_cuda:
             torch.cuda.set_device(self.device)
         self.tp = TensorParallelGroup.connect(store, rank, self.world_size, self.use_cuda)
+        self.dtype = model_dtype(hf_config)
         default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(model_dtype(hf_config))
+        torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
         try:
             self.model = Qwen3ForCausalLM(hf_config, self.tp)
@@ -121,7 +122,7 @@ class ModelRunner:
         hf = self.config.hf_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         kv_heads = hf.num_key_value_heads // self.world_size
-        return 2 * hf.num_hidden_layers * self.block_size * kv_heads * head_dim * torch.get_default_dtype().itemsize
+        return 2 * hf.num_hidden_layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
 
     def num_blocks_from_memory(self, block_bytes: int) -> int:
         config = self.config
@@ -237,6 +238,8 @@ class ModelRunner:
         params = [seq.params for seq in seqs]
         as_tensor = lambda values, dtype: self._to_device(np.array(values, dtype=dtype))  # noqa: E731
         tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
+        if all(p.is_plain for p in params):  # the per-step common case: temperature only
+            return tensors
         if any(p.top_k > 0 for p in params):
             tensors.top_k = as_tensor([max(p.top_k, 0) for p in params], np.int64)
         if any(p.top_p < 1.0 for p in params):
@@ -251,7 +254,8 @@ class ModelRunner:
         if banned:
             rows, ids = zip(*banned)
             tensors.banned = (as_tensor(rows, np.int64), as_tensor(ids, np.int64))
-        tensors.num_logprobs = max((p.logprobs or 0 for p in params), default=0)
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        tensors.num_logprobs = max(wanted) if wanted else None
         return tensors
 
     # --- forward -----------------------------------------------------------------------------------------

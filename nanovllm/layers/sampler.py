@@ -17,7 +17,7 @@ class SamplingTensors:
     min_p: torch.Tensor | None = None  # 0 = off
     seeds: list[tuple[int, int]] | None = None  # (row, seed for this row at this step)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out (min_tokens)
-    num_logprobs: int = 0  # the largest k any row asked for
+    num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         plain = (params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds
-                 and params.banned is None and not params.num_logprobs)
+                 and params.banned is None and params.num_logprobs is None)
         if plain:  # the common case: one fused kernel
             return SamplerOutput(_sample_plain(logits, params.temperatures).tolist())
         logits = logits.float()
@@ -75,7 +75,7 @@ class Sampler(nn.Module):
             logits[params.banned] = float("-inf")
         tokens = self._sample(logits, params)
         logprobs = None
-        if params.num_logprobs:
+        if params.num_logprobs is not None:
             # logprobs of the model's own distribution, as vLLM reports them: before temperature and filters
             all_logprobs = logits.log_softmax(dim=-1)
             top = all_logprobs.topk(params.num_logprobs, dim=-1)
