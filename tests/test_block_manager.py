@@ -21,7 +21,7 @@ def check_invariants(bm: BlockManager) -> None:
 def prefill(bm: BlockManager, seq: Sequence) -> None:
     """What the scheduler does for an unchunked prefill."""
     bm.allocate(seq)
-    bm.register_full_blocks(seq, len(seq))
+    bm.register_full_blocks(seq, seq.num_cached_tokens, len(seq))
     seq.num_cached_tokens = len(seq)
 
 
@@ -124,7 +124,8 @@ def test_decode_opens_block_at_boundary_and_registers_full_block():
     seq.append_token(50)  # len == BS: the token just appended fills the first block
     assert bm.can_append(seq)
     bm.may_append(seq)
-    assert len(seq.block_table) == 1
+    assert len(seq.block_table) == 1 and bm.blocks[seq.block_table[0]].hash == -1
+    bm.register_full_blocks(seq, BS - 1, BS)  # once the step that fed it has run
     assert bm.blocks[seq.block_table[0]].hash == chained_hash(list(range(BS - 1)) + [50])
     seq.num_cached_tokens = len(seq)
     seq.append_token(51)  # len == BS + 1: opens the second block
@@ -145,7 +146,15 @@ def test_forget_drops_registrations_of_unwritten_blocks():
     bm = BlockManager(4, BS)
     seq = seq_of(list(range(2 * BS)))
     bm.allocate(seq)
-    bm.register_full_blocks(seq, 2 * BS)
+    bm.register_full_blocks(seq, 0, 2 * BS)
     bm.forget(seq)
     assert not bm.hash_to_block_id
     check_invariants(bm)
+
+
+def test_registration_never_chains_from_an_unregistered_block():
+    bm = BlockManager(4, BS)
+    seq = seq_of(list(range(3 * BS)))
+    bm.allocate(seq)
+    bm.register_full_blocks(seq, BS, 3 * BS)  # block 0 was never registered
+    assert not bm.hash_to_block_id

@@ -90,18 +90,18 @@ def test_identical_prompts_in_one_step_and_preempted_prefix_hits(tiny_model, hf_
 def test_interrupted_generate_leaves_engine_usable(llm):
     prompts = random_prompts([300, 20, 700], seed=24)
     expected = llm.generate(prompts, GREEDY, use_tqdm=False)
-    run, calls = llm.model_runner.run, []
+    launch, calls = llm.model_runner.launch, []
 
-    def interrupted_run(seqs, is_prefill):
+    def interrupted_launch(*args):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return run(seqs, is_prefill)
+        return launch(*args)
 
-    llm.model_runner.run = interrupted_run
+    llm.model_runner.launch = interrupted_launch
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, GREEDY, use_tqdm=False)
-    llm.model_runner.run = run
+    llm.model_runner.launch = launch
     assert_no_leaks(llm)
     assert llm.generate(prompts, GREEDY, use_tqdm=False) == expected
 

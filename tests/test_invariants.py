@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 from nanovllm.engine.block_manager import chained_hash
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.sampling_params import SamplingParams
 
 BS, NUM_BLOCKS, EOS = 16, 14, 0
@@ -40,26 +40,36 @@ def check_invariants(s: Scheduler, live: list[Sequence]) -> None:
             assert block.hash == prefix_hash and block.token_ids == seq.block(i)
 
 
-def simulate_step(cache: dict, seqs: list[Sequence], is_prefill: bool) -> None:
+def fingerprint(seq: Sequence, pos: int, oracle: dict) -> int:
+    """The prefix up to pos, with PENDING tokens resolved from what the simulated sampler already chose."""
+    tokens = [oracle.get((seq.seq_id, i), t) if t == PENDING else t for i, t in enumerate(seq.token_ids[: pos + 1])]
+    assert PENDING not in tokens
+    return hash(tuple(tokens))
+
+
+def simulate_step(cache: dict, seqs: list[Sequence], is_prefill: bool, oracle: dict) -> None:
     for seq in seqs:
         start = seq.num_cached_tokens if is_prefill else len(seq) - 1
         end = start + seq.num_scheduled_tokens
         for pos in range(start):  # what attention reads must be this sequence's own prefix
             slot = seq.block_table[pos // BS] * BS + pos % BS
-            assert cache.get(slot) == hash(tuple(seq.token_ids[: pos + 1])), f"stale KV at position {pos}"
+            assert cache.get(slot) == fingerprint(seq, pos, oracle), f"stale KV at position {pos}"
         for pos in range(start, end):
-            cache[seq.block_table[pos // BS] * BS + pos % BS] = hash(tuple(seq.token_ids[: pos + 1]))
+            cache[seq.block_table[pos // BS] * BS + pos % BS] = fingerprint(seq, pos, oracle)
 
 
 def test_random_walk_keeps_every_invariant():
+    """Driven the way the engine drives it: step n+1 is scheduled before step n's tokens are read back."""
     rng = random.Random(1234)
     config = SimpleNamespace(max_num_seqs=6, max_num_batched_tokens=40, max_model_len=120, eos_token_ids=(EOS,),
                              kvcache_block_size=BS)
     s = Scheduler(config, NUM_BLOCKS)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.choice([16, 32, 40]))] for _ in range(4)]
     cache: dict[int, int] = {}
+    oracle: dict[tuple[int, int], int] = {}  # (seq id, index) -> the token the simulated sampler drew
     live: list[Sequence] = []
-    finished = preemptions = ops = 0
+    pending = None
+    preemptions = 0
     preempt = s._preempt
 
     def counting_preempt(seq):
@@ -68,6 +78,30 @@ def test_random_walk_keeps_every_invariant():
         preempt(seq)
 
     s._preempt = counting_preempt
+
+    def launch(seqs, is_prefill):
+        simulate_step(cache, seqs, is_prefill, oracle)
+        spans = s.advance(seqs)
+        # EOS now and then; otherwise tokens from a small alphabet, so decoded blocks repeat and get shared
+        tokens = [EOS if rng.random() < 0.03 else rng.randrange(1, 4) for _ in seqs]
+        for seq, (_, end), token in zip(seqs, spans, tokens):
+            if end < len(seq) and seq.token_ids[end] == PENDING:
+                oracle[(seq.seq_id, end)] = token
+        return seqs, spans, tokens
+
+    def step() -> None:
+        nonlocal pending, live
+        if pending is not None and s.waiting:
+            s.postprocess(*pending)
+            pending = None
+        seqs, is_prefill = s.schedule()
+        launched = launch(seqs, is_prefill) if seqs else None
+        if pending is not None:
+            s.postprocess(*pending)
+        pending = launched
+        live = [seq for seq in live if not seq.is_finished]
+
+    ops = 0
     while ops < 3000:
         ops += 1
         if rng.random() < 0.3 and len(live) < 12:
@@ -77,22 +111,14 @@ def test_random_walk_keeps_every_invariant():
             seq = Sequence(prefix + tail, params, BS)
             s.add(seq)
             live.append(seq)
-        elif not s.is_finished():
-            seqs, is_prefill = s.schedule()
-            simulate_step(cache, seqs, is_prefill)
-            # EOS now and then; otherwise tokens from a small alphabet, so decoded blocks repeat and get shared
-            s.postprocess(seqs, [EOS if rng.random() < 0.03 else rng.randrange(1, 4) for _ in seqs])
-            done = [seq for seq in live if seq.is_finished]
-            finished += len(done)
-            live = [seq for seq in live if not seq.is_finished]
+        elif not s.is_finished() or pending is not None:
+            step()
         check_invariants(s, live)
-    while not s.is_finished():
-        seqs, is_prefill = s.schedule()
-        simulate_step(cache, seqs, is_prefill)
-        s.postprocess(seqs, [rng.randrange(1, 4) for _ in seqs])
-        live = [seq for seq in live if not seq.is_finished]
+    while not s.is_finished() or pending is not None:
+        step()
         check_invariants(s, live)
     bm = s.block_manager
     assert len(bm.free_block_ids) == NUM_BLOCKS and all(b.ref_count == 0 for b in bm.blocks)
+    finished = len({seq_id for seq_id, _ in oracle})
     # the walk must actually have exercised sharing, preemption and completion
     assert finished > 100 and preemptions > 10 and len(bm.hash_to_block_id) > 5, (finished, preemptions)

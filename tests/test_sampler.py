@@ -57,11 +57,11 @@ def test_greedy_is_argmax_and_respects_bans():
     logits = torch.randn(4, 30)
     sampler = Sampler()
     out = sampler(logits, SamplingTensors(torch.zeros(4)))
-    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
     best = logits.argmax(-1)
     banned = (torch.arange(4), best)
     out = sampler(logits, SamplingTensors(torch.zeros(4), banned=banned))
-    assert out.token_ids == logits.scatter(1, best[:, None], float("-inf")).argmax(-1).tolist()
+    assert out.token_ids.tolist() == logits.scatter(1, best[:, None], float("-inf")).argmax(-1).tolist()
 
 
 def test_temperature_sampling_follows_the_distribution():
@@ -70,7 +70,7 @@ def test_temperature_sampling_follows_the_distribution():
     draws = 40_000
     torch.manual_seed(3)
     out = Sampler()(logits.repeat(draws, 1), SamplingTensors(torch.full((draws,), temperature)))
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=6).double()
+    counts = torch.bincount(out.token_ids, minlength=6).double()
     expected = torch.softmax(logits.double() / temperature, 0) * draws
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 25.0, (counts, expected)  # 5 degrees of freedom: p < 1e-4 by chance
@@ -82,18 +82,19 @@ def test_filtered_sampling_never_leaves_the_kept_set():
     params = SamplingTensors(torch.ones(2000), top_k=torch.full((2000,), 7), top_p=torch.full((2000,), 0.9))
     out = Sampler()(logits, params)
     allowed = reference_keep(logits[0], 7, 0.9, 0.0)
-    assert set(out.token_ids) <= allowed and len(set(out.token_ids)) > 1
+    assert set(out.token_ids.tolist()) <= allowed and len(set(out.token_ids.tolist())) > 1
 
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
     torch.manual_seed(5)
     logits = torch.randn(5, 100)
     sampler = Sampler()
-    alone = sampler(logits[2:3], SamplingTensors(torch.ones(1), seeds=[(0, 42)])).token_ids[0]
+    alone = sampler(logits[2:3], SamplingTensors(torch.ones(1), seeds=[(0, 42)])).token_ids[0].item()
     for _ in range(5):
-        mixed = sampler(logits, SamplingTensors(torch.ones(5), seeds=[(2, 42)])).token_ids[2]
+        mixed = sampler(logits, SamplingTensors(torch.ones(5), seeds=[(2, 42)])).token_ids[2].item()
         assert mixed == alone
-    draws = {sampler(logits[2:3], SamplingTensors(torch.ones(1), seeds=[(0, s)])).token_ids[0] for s in range(40)}
+    draws = {sampler(logits[2:3], SamplingTensors(torch.ones(1), seeds=[(0, s)])).token_ids[0].item()
+             for s in range(40)}
     assert len(draws) > 1  # different seeds, different draws
 
 
@@ -102,7 +103,7 @@ def test_logprobs_are_the_models_log_softmax():
     logits = torch.randn(3, 20)
     out = Sampler()(logits, SamplingTensors(torch.tensor([0.0, 1.0, 0.5]), num_logprobs=4))
     expected = logits.log_softmax(-1)
-    for row, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+    for row, (token, entry) in enumerate(zip(out.token_ids.tolist(), out.logprobs)):
         top = expected[row].topk(4)
         assert set(top.indices.tolist()) | {token} == set(entry)
         for token_id, value in entry.items():

@@ -94,18 +94,19 @@ class BlockManager:
             # a fully cached prompt still computes its last token, so there are logits to sample from
             seq.num_cached_tokens -= 1
 
-    def register_full_blocks(self, seq: Sequence, end: int) -> None:
-        """Register the hash of every block that is full once tokens [0, end) are computed.
+    def register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Register the hash of every block that a step computing tokens [start, end) left full.
 
-        Called when a step is scheduled: the step writes those blocks' KV before any later step
-        (or a later attention layer) can read them, so they are safe to share from now on.
+        Called once the step's KV is written and its tokens are known, so a block is shared only when its
+        contents are real.
         """
-        first = seq.num_cached_tokens // self.block_size
-        for i in range(first, end // self.block_size):
+        for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if block.hash != -1:
                 continue
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            if i > 0 and prefix_hash == -1:
+                break  # a chain with a gap would make this block look like the start of another sequence
             block.token_ids = seq.block(i)
             block.hash = chained_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
@@ -132,8 +133,5 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> None:
         """Prepare seq for a decode step that computes the KV of its last token."""
-        position_in_block = len(seq) % self.block_size
-        if position_in_block == 1:
+        if len(seq) % self.block_size == 1:
             seq.block_table.append(self._take_free_block())
-        elif position_in_block == 0:  # this token fills its block
-            self.register_full_blocks(seq, len(seq))

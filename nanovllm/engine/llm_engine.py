@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
@@ -42,6 +42,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = config.hf_config.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.tokenizer.decode)
+        self.pending: LaunchedStep | None = None  # a launched step whose tokens are not read back yet
         self._exited = False
         atexit.register(self.exit)
 
@@ -90,22 +91,40 @@ class LLMEngine:
         return seq
 
     def step(self) -> tuple[list[Sequence], int]:
-        """Run one scheduled batch. Returns it and its token count (negative for decode, to tell them apart)."""
+        """Launch one scheduled batch, then finish the previous one while the device works on it.
+
+        Reading the previous step's tokens back only after this step is queued hides the CPU's bookkeeping
+        (postprocess, scheduling, input preparation) behind device time. Returns the batch and its token
+        count (negative for decode, to tell them apart).
+        """
+        # a prefill hashes and ships token ids, and tensor-parallel workers read them: all must be known
+        if self.scheduler.waiting or self.workers is not None:
+            self._complete_pending()
         seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:  # the step only retired requests that can never fit
+        if not seqs:  # the step only retired requests, or all that is left is in flight
+            self._complete_pending()
             return seqs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         if self.workers is None:
-            output = self.model_runner.call("run", seqs, is_prefill)
+            launched = self.model_runner.launch(seqs, is_prefill, self.pending)
         else:
             self.workers.check_alive()  # a dead peer would leave rank 0 waiting in a collective
             with deferred_interrupt():
-                output = self.model_runner.call("run", seqs, is_prefill)
-        self.scheduler.postprocess(seqs, output.token_ids, output.logprobs)
+                launched = self.model_runner.call("launch", seqs, is_prefill)
+        launched.spans = self.scheduler.advance(seqs)
+        self._complete_pending()
+        self.pending = launched
+        if self.workers is not None:
+            self._complete_pending()
         return seqs, num_tokens
 
+    def _complete_pending(self) -> None:
+        if self.pending is not None:
+            step, self.pending = self.pending, None
+            self.scheduler.postprocess(step.seqs, step.spans, step.result(), step.logprobs)
+
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.pending is None
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[dict]:
@@ -138,6 +157,7 @@ class LLMEngine:
                 bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
         except BaseException:
             # an interrupted call must not strand blocks or leave half-done requests for the next one
+            self.pending = None
             self.scheduler.abort_all()
             raise
         finally:

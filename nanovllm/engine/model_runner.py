@@ -1,4 +1,5 @@
 import os
+from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 
 import numpy as np
@@ -6,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.tp_workers import WorkerChannel
-from nanovllm.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
@@ -29,6 +30,33 @@ def available_cpu_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens may still be on their way back from the device."""
+
+    seqs: list[Sequence]
+    token_ids: torch.Tensor | None = None  # on the device, row i for seqs[i] (rank 0 only)
+    host_token_ids: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    logprobs: list[dict[int, float]] | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)  # filled in by Scheduler.advance
+
+    @classmethod
+    def start_copy(cls, seqs: list[Sequence], token_ids: torch.Tensor, logprobs) -> "LaunchedStep":
+        if not token_ids.is_cuda:
+            return cls(seqs, token_ids, token_ids, None, logprobs)
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, device="cpu", pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)  # queued right behind the sampler, ahead of the next step
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, token_ids, host, ready, logprobs)
+
+    def result(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_token_ids.tolist()
 
 
 class ModelRunner:
@@ -111,11 +139,11 @@ class ModelRunner:
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        self.run(seqs, True)
+        self.launch(seqs, True).result()
         # compiled layers specialise size 1 apart from other sizes: compile that case now, not in a timed run
         one = Sequence([0], block_size=self.block_size)
         one.num_scheduled_tokens = 1
-        self.run([one], True)
+        self.launch([one], True).result()
         torch.cuda.empty_cache()
 
     def kv_block_bytes(self) -> int:
@@ -215,24 +243,37 @@ class ModelRunner:
         return (self._to_device(np.array(input_ids, dtype=np.int64)),
                 self._to_device(np.concatenate(positions).astype(np.int64)))
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One int32 host buffer, one copy: decode runs every few milliseconds, so per-tensor transfers add up."""
+    def prepare_decode(self, seqs: list[Sequence],
+                       previous: "LaunchedStep | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One int32 host buffer, one copy: decode runs every few milliseconds, so per-tensor transfers add up.
+
+        A token still PENDING is the previous step's sample, which never left the GPU: it is gathered there.
+        """
         n, width = len(seqs), self.max_blocks_per_seq
-        host = np.zeros((4 + width, n), dtype=np.int32)
+        host = np.zeros((5 + width, n), dtype=np.int32)
         context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
         last_blocks = np.fromiter((seq.block_table[-1] for seq in seqs), np.int32, n)
         host[0] = [seq.scheduled_token_ids[0] for seq in seqs]
         host[1] = context_lens - 1  # the position of the token being fed
         host[2] = last_blocks * self.block_size + (context_lens - 1) % self.block_size
         host[3] = context_lens
+        host[4] = -1
+        pending = np.flatnonzero(host[0] == PENDING)
+        if len(pending):
+            rows = {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
+            host[4, pending] = [rows[seqs[i].seq_id] for i in pending]
         # full width every step, so a CUDA graph's block-table buffer never keeps a wider step's entries
-        tables = host[4:].T
+        tables = host[5:].T
         for i, seq in enumerate(seqs):
             tables[i, : len(seq.block_table)] = seq.block_table
         device = self._to_device(host)
+        input_ids = device[0]
+        if len(pending):
+            source = device[4]
+            input_ids = torch.where(source >= 0, previous.token_ids[source.clamp(min=0)].int(), input_ids)
         set_context(is_prefill=False, slot_mapping=device[2], context_lens=device[3],
-                    block_tables=device[4:].T.contiguous())
-        return device[0], device[1]
+                    block_tables=device[5:].T.contiguous())
+        return input_ids, device[1]
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.params for seq in seqs]
@@ -278,14 +319,21 @@ class ModelRunner:
         return self.model.compute_logits(gv["outputs"][:bs])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> SamplerOutput | None:
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: "LaunchedStep | None" = None) -> LaunchedStep:
+        """Queue one step on the device and return at once; the sampled tokens are read back later."""
+        if is_prefill:
+            input_ids, positions = self.prepare_prefill(seqs)
+        else:
+            input_ids, positions = self.prepare_decode(seqs, previous)
         sampling = self.prepare_sampling(seqs) if self.rank == 0 else None
         try:
             logits = self.run_model(input_ids, positions, is_prefill)
-            return self.sampler(logits, sampling) if self.rank == 0 else None
+            if self.rank != 0:
+                return LaunchedStep(seqs)
+            output = self.sampler(logits, sampling)
         finally:
             reset_context()
+        return LaunchedStep.start_copy(seqs, output.token_ids, output.logprobs)
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

@@ -3,7 +3,7 @@ from collections.abc import Callable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -43,7 +43,10 @@ class Scheduler:
             # the budget counts only tokens that are not cached yet
             seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
             budget -= seq.num_scheduled_tokens
-            self.block_manager.register_full_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
+            # prompt tokens are known now, and this step writes their KV before any later reader runs (within
+            # the step, each layer stores before it attends), so identical prompts in one batch share blocks
+            start = seq.num_cached_tokens
+            self.block_manager.register_full_blocks(seq, start, start + seq.num_scheduled_tokens)
             scheduled.append(seq)
             if not seq.completes_prompt:
                 break  # the budget is spent; the rest of this prompt comes in the next steps
@@ -78,41 +81,67 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.deallocate(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int],
-                    logprobs: list[dict[int, float]] | None = None) -> None:
-        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+    def advance(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Account a launched step before its tokens are read back, so the next step can be scheduled meanwhile.
+
+        The step's KV counts as computed, and each sequence that samples gets a PENDING slot for its token.
+        A sequence that reaches max_tokens or max_model_len with that token is finished now, whatever the
+        token turns out to be, so no step is spent on it. Returns each sequence's computed span [start, end).
+        """
+        spans = []
+        for seq in seqs:
+            start = seq.num_cached_tokens
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            spans.append((start, seq.num_cached_tokens))
             if seq.num_cached_tokens < len(seq):
                 continue  # a prefill chunk that does not reach the end of the prompt samples nothing
-            seq.append_token(token_id)
+            seq.append_token(PENDING)
+            if seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                self._finish(seq, "length")
+                self.running.remove(seq)
+        return spans
+
+    def postprocess(self, seqs: list[Sequence], spans: list[tuple[int, int]], token_ids: list[int],
+                    logprobs: list[dict[int, float]] | None = None) -> None:
+        """Fill in a step's sampled tokens, register the blocks it completed and finish on stop conditions.
+
+        Decode registers here, not when scheduled: the token it fed may have been PENDING then."""
+        for i, (seq, (start, end), token_id) in enumerate(zip(seqs, spans, token_ids)):
+            if seq.block_table and seq.status != SequenceStatus.FINISHED:
+                self.block_manager.register_full_blocks(seq, start, end)
+            if end >= len(seq) or seq.token_ids[end] != PENDING:
+                continue  # a prefill chunk, or a request that finished while this step was in flight
+            seq.token_ids[end] = token_id
             if logprobs is not None and seq.params.logprobs is not None:
                 # the batch computed as many as its greediest row asked for; keep this request's k and its token
                 top = dict(list(logprobs[i].items())[: seq.params.logprobs])
                 seq.logprobs.append({**top, token_id: logprobs[i][token_id]})
-            reason = self._stop_reason(seq, token_id)
-            if reason is not None:
-                self._finish(seq, reason)
-                self.running.remove(seq)
+            if self._stops(seq, end, token_id):
+                already_finished = seq.is_finished
+                seq.truncate(end + 1)
+                self._finish(seq, "stop")
+                if not already_finished:
+                    (self.running if seq in self.running else self.waiting).remove(seq)
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def _stops(self, seq: Sequence, index: int, token_id: int) -> bool:
+        """Whether the token at `index` ends the request (max_tokens and max_model_len are handled in advance)."""
         params = seq.params
-        if seq.num_completion_tokens > params.min_tokens:  # the sampler masks stop tokens before that
-            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-                return "stop"
-            if params.stop:
-                # a stop string spans at most as many tokens as it has characters; a few more cover partial bytes
-                window = max(len(s) for s in params.stop) + 8
-                tail = self.decode(seq.completion_token_ids[-window:])
-                if any(s in tail for s in params.stop):
-                    return "stop"
-        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
+        if index + 1 - seq.num_prompt_tokens <= params.min_tokens:  # the sampler masks stop tokens before that
+            return False
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return True
+        if params.stop:
+            # a stop string spans at most as many tokens as it has characters; a few more cover partial bytes
+            window = max(len(s) for s in params.stop) + 8
+            tail = self.decode(seq.token_ids[max(seq.num_prompt_tokens, index + 1 - window): index + 1])
+            return any(s in tail for s in params.stop)
+        return False
 
     def abort_all(self) -> list[Sequence]:
         """Drop every request after a failed or interrupted step, returning their blocks and forgetting

@@ -3,6 +3,9 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+# a sampled token whose value is still on the GPU: the next step is scheduled before it is read back
+PENDING = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -73,6 +76,11 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.num_tokens += 1
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop tokens past num_tokens: a finished request's slots for steps that were already launched."""
+        del self.token_ids[num_tokens:]
+        self.num_tokens = len(self.token_ids)
 
     # Workers need only what the step computes: decode ships one token, not the whole history.
     def __getstate__(self):

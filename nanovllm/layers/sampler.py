@@ -22,7 +22,7 @@ class SamplingTensors:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: torch.Tensor  # on the logits' device: the caller decides when to wait for it
     logprobs: list[dict[int, float]] | None = None  # per row: sampled token and the top k, id -> logprob
 
 
@@ -69,7 +69,7 @@ class Sampler(nn.Module):
         plain = (params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds
                  and params.banned is None and params.num_logprobs is None)
         if plain:  # the common case: one fused kernel
-            return SamplerOutput(_sample_plain(logits, params.temperatures).tolist())
+            return SamplerOutput(_sample_plain(logits, params.temperatures))
         logits = logits.float()
         if params.banned is not None:
             logits[params.banned] = float("-inf")
@@ -82,7 +82,7 @@ class Sampler(nn.Module):
             chosen = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
             logprobs = [{**dict(zip(ids, values)), token: value} for ids, values, token, value in
                         zip(top.indices.tolist(), top.values.tolist(), tokens.tolist(), chosen.tolist())]
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return SamplerOutput(tokens, logprobs)
 
     def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         temperatures = params.temperatures
