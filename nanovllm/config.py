@@ -1,3 +1,4 @@
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -62,8 +63,6 @@ def _eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
     candidates = [getattr(hf_config, "eos_token_id", None)]
     gen_path = os.path.join(model, "generation_config.json")
     if os.path.exists(gen_path):
-        import json
-
         with open(gen_path) as f:
             candidates.append(json.load(f).get("eos_token_id"))
     for value in candidates:
