@@ -74,3 +74,21 @@ def test_two_engines_at_once_exceptions_and_clean_exit(tiny_model):
     first.exit()
     assert_released(first)
     assert torch.multiprocessing.active_children() == []
+
+
+def test_worker_dying_during_startup_is_an_error_not_a_hang(tiny_model, monkeypatch):
+    from nanovllm.engine import tp_workers
+
+    wait_for = tp_workers.Workers.wait_for
+    spawned = []
+
+    def kill_during_load(self, stage):
+        if stage == "loaded":  # the worker dies loading its weights; rank 0 must not enter the next collective
+            spawned.extend(self.processes)
+            self.processes[0].kill()
+        wait_for(self, stage)
+
+    monkeypatch.setattr(tp_workers.Workers, "wait_for", kill_during_load)
+    with pytest.raises(RuntimeError, match="rank 1"):
+        LLM(tiny_model, num_kvcache_blocks=8, tensor_parallel_size=2)
+    assert spawned and not any(p.is_alive() for p in spawned)

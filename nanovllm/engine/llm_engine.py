@@ -28,13 +28,12 @@ class LLMEngine:
                                  f"{torch.cuda.device_count()} visible CUDA devices")
             self.workers = Workers(config)
         try:
-            if self.workers is not None:
-                self.workers.wait_started()
             if self.workers is None:
                 self.model_runner = ModelRunner(config)
             else:
+                self.workers.wait_for("started")
                 self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.shm_name,
-                                                self.workers.events)
+                                                self.workers.events, self.workers.wait_for)
         except BaseException:
             if self.workers is not None:
                 self.workers.join(timeout=5)

@@ -1,4 +1,5 @@
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event
 
@@ -63,7 +64,9 @@ class ModelRunner:
     """One per rank: owns the model and the KV cache, turns scheduled sequences into tensors and tensors into tokens."""
 
     def __init__(self, config: Config, rank: int = 0, store: dist.Store | None = None, shm_name: str = "",
-                 events: list[Event] | Event = ()) -> None:
+                 events: list[Event] | Event = (), reach: Callable[[str], None] = lambda stage: None) -> None:
+        """`reach(stage)` marks the start-up stages of tensor-parallel ranks: workers announce each one and rank 0
+        waits for all of them before the stage's collectives, so a worker that died is an error, not a hang."""
         self.config = config
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
@@ -87,8 +90,11 @@ class ModelRunner:
             self.model = Qwen3ForCausalLM(hf_config, self.tp)
             load_model(self.model, config.model)
             self.sampler = Sampler()
+            reach("loaded")
             self.warmup_model()
+            reach("warmed up")
             self.allocate_kv_cache()
+            reach("allocated")
             if not self.enforce_eager:
                 self.capture_cudagraph()
         finally:

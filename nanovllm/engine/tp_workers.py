@@ -55,8 +55,9 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, event: Eve
     from nanovllm.engine.model_runner import ModelRunner
 
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STORE_TIMEOUT)
-    store.set(f"started-{rank}", "1")
-    ModelRunner(config, rank, store, shm_name, event)  # returns when rank 0 sends "exit"
+    reach = lambda stage: store.set(f"{stage}-{rank}", "1")  # noqa: E731
+    reach("started")
+    ModelRunner(config, rank, store, shm_name, event, reach)  # returns when rank 0 sends "exit"
 
 
 class Workers:
@@ -77,14 +78,15 @@ class Workers:
         for process in self.processes:
             process.start()
 
-    def wait_started(self) -> None:
-        """Wait for every worker to reach the rendezvous; one that dies on the way is an error, not a hang."""
-        keys = [f"started-{rank}" for rank in range(1, len(self.processes) + 1)]
+    def wait_for(self, stage: str) -> None:
+        """Wait for every worker to reach `stage` of its start-up; one that dies on the way is an error, not a
+        hang (a collective with a dead peer would wait for its whole timeout)."""
+        keys = [f"{stage}-{rank}" for rank in range(1, len(self.processes) + 1)]
         deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
         while not self.store.check(keys):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel workers did not start within {STORE_TIMEOUT}")
+                raise RuntimeError(f"tensor-parallel workers did not reach {stage!r} within {STORE_TIMEOUT}")
             time.sleep(0.05)
 
     def any_dead(self) -> bool:
