@@ -34,8 +34,14 @@ class LLMEngine:
                 self.workers.wait_for("started")
                 self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.shm_name,
                                                 self.workers.events, self.workers.wait_for)
-        except BaseException:
-            if self.workers is not None:
+        except BaseException as error:
+            if self.workers is None:
+                raise
+            try:  # a peer that died mid-collective surfaces as a socket error: name the worker instead
+                self.workers.check_alive(grace=1.0)
+            except RuntimeError as dead:
+                raise dead from error
+            finally:
                 self.workers.join(timeout=5)
             raise
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)

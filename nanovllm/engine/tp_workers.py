@@ -92,7 +92,10 @@ class Workers:
     def any_dead(self) -> bool:
         return any(p.exitcode is not None for p in self.processes)
 
-    def check_alive(self) -> None:
+    def check_alive(self, grace: float = 0.0) -> None:
+        """Raise naming every dead worker. `grace` gives a worker whose sockets just closed time to be reaped."""
+        for process in self.processes:
+            process.join(grace)
         dead = [f"rank {rank} (exit code {p.exitcode})" for rank, p in enumerate(self.processes, 1)
                 if p.exitcode is not None]
         if dead:
