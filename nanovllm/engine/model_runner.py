@@ -1,3 +1,4 @@
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.tp_workers import WorkerChannel
 from nanovllm.layers.sampler import Sampler, SamplingTensors
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
 from nanovllm.utils.context import get_context, reset_context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
@@ -153,11 +154,14 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
-    def kv_block_bytes(self) -> int:
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """[K and V, layers, blocks, tokens per block, this rank's KV heads, head_dim]."""
         hf = self.config.hf_config
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        kv_heads = hf.num_key_value_heads // self.world_size
-        return 2 * hf.num_hidden_layers * self.block_size * kv_heads * head_dim * self.dtype.itemsize
+        return (2, hf.num_hidden_layers, num_blocks, self.block_size, hf.num_key_value_heads // self.world_size,
+                head_dim(hf))
+
+    def kv_block_bytes(self) -> int:
+        return math.prod(self.kv_cache_shape(1)) * self.dtype.itemsize
 
     def num_blocks_from_memory(self, block_bytes: int) -> int:
         config = self.config
@@ -184,7 +188,6 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self) -> None:
-        hf = self.config.hf_config
         block_bytes = self.kv_block_bytes()
         if self.config.num_kvcache_blocks > 0:
             self.num_kvcache_blocks = self.config.num_kvcache_blocks
@@ -193,10 +196,7 @@ class ModelRunner:
         # every rank must agree, or block ids would mean different slots
         n = self.tp.all_reduce(torch.tensor([self.num_kvcache_blocks], device=self.device), dist.ReduceOp.MIN)
         self.num_kvcache_blocks = int(n.item())
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        kv_heads = hf.num_key_value_heads // self.world_size
-        self.kv_cache = torch.empty(2, hf.num_hidden_layers, self.num_kvcache_blocks, self.block_size, kv_heads,
-                                    head_dim)
+        self.kv_cache = torch.empty(self.kv_cache_shape(self.num_kvcache_blocks))
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, module in enumerate(layers):
             module.k_cache, module.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]

@@ -17,11 +17,16 @@ def rope_theta(config: Qwen3Config) -> float:
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
+def head_dim(config: Qwen3Config) -> int:
+    # Qwen3 configs state head_dim (128 in every size, not hidden_size / heads); older configs may not
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config, tp: TensorParallelGroup) -> None:
         super().__init__()
         tp_size = tp.size
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
