@@ -68,7 +68,7 @@ def main() -> None:
     llm.exit()
 
 
-KERNEL_CLASSES = [("attention", ("flash",)), ("kv-store", ("store_kvcache",)),
+KERNEL_CLASSES = [("attention", ("flash", "decode_attention")), ("kv-store", ("store_kvcache",)),
                   ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "cublas")), ("fused-elementwise", ("triton_",))]
 
 

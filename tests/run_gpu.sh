@@ -7,7 +7,7 @@ out=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -m pytest -q -s -p no:logging -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -q -s -p no:logging -m gpu tests/ 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 python3 bench.py --runs 4 "$@" 2>&1 | tee "$out/bench.log"
 bench_rc=${PIPESTATUS[0]}

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.attention import Attention, store_kvcache, store_kvcache_torch
-from nanovllm.utils.context import reset_context, set_context
+from nanovllm.layers.paged_decode import paged_decode_attention
+from nanovllm.utils.context import get_context, reset_context, set_context
 
 BS, H, KV_H, D = 16, 4, 2, 32
 
@@ -73,3 +74,45 @@ def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
         expected = dense_causal(new_q[i:i + 1], torch.cat([keys[i], new_k[i:i + 1]]),
                                 torch.cat([values[i], new_v[i:i + 1]]), D ** -0.5)
         torch.testing.assert_close(out[i:i + 1], expected)
+
+
+def _decode_case(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, page: int):
+    """A decode batch over scattered pages: one full-width table, one short, one padding row (context 0)."""
+    gen = torch.Generator().manual_seed(0)
+    # head_dim 128: the device's trimmed flash-attn build (the GPU reference) computes only that size
+    head_dim, width, num_blocks = 128, 12, 60  # 12 pages: the long row spans several slices
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    q = torch.randn(4, num_heads, head_dim, generator=gen).to(device, dtype)
+    block_tables = torch.randperm(num_blocks, generator=gen)[: 4 * width].view(4, width).int().to(device)
+    context_lens = torch.tensor([width * page, 1, page + 5, 0], dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, block_tables, context_lens
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,page", [(4, 2, 16), (6, 2, 32), (8, 8, 16)])
+def test_triton_decode_kernel_matches_torch_paged_attention(num_heads, num_kv_heads, page):
+    q, k_cache, v_cache, block_tables, context_lens = _decode_case("cpu", torch.float32, num_heads, num_kv_heads, page)
+    scale = q.size(-1) ** -0.5
+    attn = Attention(num_heads, q.size(-1), scale, num_kv_heads)
+    attn.k_cache, attn.v_cache = k_cache, v_cache
+    set_context(is_prefill=False, slot_mapping=None, context_lens=context_lens[:3], block_tables=block_tables[:3])
+    expected = attn._torch_attention(q[:3], None, None, get_context())
+    reset_context()
+    # the default (many one-chunk slices) and few long slices (the online softmax runs over many chunks)
+    for options in ({}, {"block_n": 16, "max_splits": 2}):
+        out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **options)
+        torch.testing.assert_close(out[:3], expected, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[3], torch.zeros_like(out[3]))  # CUDA-graph padding rows stay finite
+
+
+@pytest.mark.gpu
+def test_triton_decode_kernel_matches_flash_attn_on_gpu():
+    from flash_attn import flash_attn_with_kvcache
+
+    q, k_cache, v_cache, block_tables, context_lens = _decode_case("cuda", torch.bfloat16, 16, 8, 256)
+    scale = q.size(-1) ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)[:3]
+    expected = flash_attn_with_kvcache(q[:3].unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens[:3],
+                                       block_table=block_tables[:3], softmax_scale=scale, causal=True).squeeze(1)
+    # both accumulate in float32 and round once to bf16; only the order of the sums differs
+    assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()

@@ -1,9 +1,12 @@
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
 
+from nanovllm.layers.paged_decode import paged_decode_attention
 from nanovllm.utils.context import Context, get_context
 
 
@@ -77,6 +80,9 @@ class Attention(nn.Module):
                 max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
                 softmax_scale=self.scale, causal=True, block_table=context.block_tables,
             )
+        if os.environ.get("NANOVLLM_DECODE", "triton") == "triton":
+            return paged_decode_attention(q, self.k_cache, self.v_cache, context.block_tables, context.context_lens,
+                                          self.scale)
         return flash_attn_with_kvcache(
             q.unsqueeze(1), self.k_cache, self.v_cache, cache_seqlens=context.context_lens,
             block_table=context.block_tables, softmax_scale=self.scale, causal=True,

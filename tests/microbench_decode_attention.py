@@ -1,0 +1,79 @@
+"""Decode attention alone, on the GPU: flash-attn's paged kernel against ours, as effective HBM bandwidth.
+
+    python tests/microbench_decode_attention.py [--heads 16 --kv-heads 8]
+
+The batch mimics the middle of bench.py's run: 256 sequences, contexts uniform in [100, 2048], 256-token pages
+scattered over the cache, a full-width block table (as the CUDA graphs see it).
+"""
+import argparse
+import functools
+import itertools
+
+import torch
+
+from nanovllm.layers.paged_decode import paged_decode_attention
+
+
+def time_ms(fn, iters: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    page, head_dim, width = 256, 128, 16
+    num_blocks = args.batch * width + 100
+    k_cache = torch.randn(num_blocks, page, args.kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(args.batch, args.heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    context_lens = torch.randint(100, args.max_context + 1, (args.batch,), dtype=torch.int32, device="cuda")
+    block_tables = torch.randperm(num_blocks, device="cuda")[: args.batch * width].view(args.batch, width).int()
+    gbytes = context_lens.sum().item() * args.kv_heads * head_dim * 2 * 2 / 1e9
+    scale = head_dim ** -0.5
+
+    from flash_attn import flash_attn_with_kvcache
+
+    def flash(num_splits: int = 0):
+        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context_lens,
+                                       block_table=block_tables, softmax_scale=scale, causal=True,
+                                       num_splits=num_splits).squeeze(1)
+
+    reference = flash()
+    print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads}, KV read {gbytes * 1e3:.0f} MB per call")
+    print("| kernel | us | GB/s | max abs diff vs flash-attn |")
+    print("| --- | --- | --- | --- |")
+    for splits in (0, 1, 2, 4, 8):
+        ms = time_ms(functools.partial(flash, splits))
+        print(f"| flash-attn num_splits={splits} | {ms * 1e3:.1f} | {gbytes / ms * 1e3:.0f} | - |")
+    configs = [(64, 4, 2, 16)]
+    if args.sweep:
+        configs = list(itertools.product((32, 64, 128), (4,), (2,), (4, 8, 16, 32, 64)))
+    for block_n, warps, stages, splits in configs:
+        ours = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                 block_n=block_n, num_warps=warps, num_stages=stages, max_splits=splits)
+        try:
+            diff = (ours().float() - reference.float()).abs().max().item()
+            ms = time_ms(ours)
+        except Exception as exc:  # a config may not fit in shared memory
+            print(f"| triton n={block_n} w={warps} s={stages} splits={splits} | failed: {type(exc).__name__} | | |")
+            continue
+        print(f"| triton n={block_n} w={warps} s={stages} splits={splits} | {ms * 1e3:.1f} | "
+              f"{gbytes / ms * 1e3:.0f} | {diff:.2e} |")
+
+
+if __name__ == "__main__":
+    main()

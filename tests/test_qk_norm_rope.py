@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, _rotate, qk_norm_rope
+
+
+def eager_reference(positions, x, weight, eps, cos_sin_cache):
+    """RMSNorm then RoPE in plain torch ops, rounding to the model dtype after each step as the modules do.
+
+    (On CUDA the modules' compiled versions may keep the float32 intermediate instead; this does not.)
+    """
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(normed, cos, sin)
+
+
+# Triton's CPU interpreter rounds float32 -> bfloat16 toward zero (the GPU rounds to nearest), so the bf16
+# case can only be checked on the GPU
+@pytest.mark.parametrize("dtype,device", [(torch.float32, "cpu"),
+                                          pytest.param(torch.bfloat16, "cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])  # 6 and 3 pad to 8 and 4: masked rows
+def test_fused_kernel_matches_norm_then_rope(dtype, device, num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    head_dim, num_tokens, eps = 128, 7, 1e-6
+    q_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(device, dtype)
+    k_weight = (torch.rand(head_dim, generator=gen) + 0.5).to(device, dtype)
+    cos_sin_cache = RotaryEmbedding(head_dim, 4096, 1e6).cos_sin_cache.to(device)
+    # q and k as views into one packed qkv row, as the model produces them
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 3).to(device, dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 5, 100, 2047, 4095, 17], device=device)
+
+    fused_q, fused_k = qk_norm_rope(positions, q, k, q_weight, k_weight, eps, cos_sin_cache)
+
+    assert fused_q.dtype == dtype and fused_q.is_contiguous() and fused_q.shape == q.shape
+    for fused, x, weight in ((fused_q, q, q_weight), (fused_k, k, k_weight)):
+        expected = eager_reference(positions, x, weight, eps, cos_sin_cache).float()
+        error = (fused.float() - expected).abs()
+        if dtype == torch.float32:  # only the order of the sum of squares differs
+            assert error.max() <= 1e-5, error.max()
+        else:  # rsqrt may differ in the last float32 bit and flip a rounding; almost all elements are identical
+            assert (error <= 2 ** -6 * expected.abs() + 2 ** -8).all(), error.max()
+            assert (error == 0).float().mean() >= 0.95, (error == 0).float().mean()
+    assert (fused_q.float() - q.float()).abs().max() > 0.1  # it did transform something
+
+
+def test_single_token_views_with_any_row_stride():
+    # a one-row view may report a row stride other than the packed row's; only row 0 is read then
+    head_dim = 128
+    qkv = torch.randn(1, 4 * head_dim)
+    q, k = qkv[:, : 2 * head_dim].view(1, 2, head_dim), qkv[:, 2 * head_dim: 3 * head_dim].view(1, 1, head_dim)
+    cos_sin_cache = RotaryEmbedding(head_dim, 16, 1e6).cos_sin_cache
+    ones = torch.ones(head_dim)
+    fused_q, fused_k = qk_norm_rope(torch.tensor([3]), q, k, ones, ones, 1e-6, cos_sin_cache)
+    torch.testing.assert_close(fused_k, eager_reference(torch.tensor([3]), k, ones, 1e-6, cos_sin_cache))
