@@ -100,7 +100,8 @@ def profile_run(llm: LLM, prompts, params) -> None:
     print(f"profile: wall {wall:.2f} s (includes profiler overhead)")
     for e in sorted((e for e in events if e.key.startswith("phase:")), key=lambda e: -e.cpu_time_total):
         print(f"  cpu  {e.key[6:]:<32} {e.cpu_time_total / 1e6:7.2f} s  calls {e.count}")
-    kernels = [e for e in events if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in events if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.key.startswith("phase:")]
     by_class: dict[str, float] = {}
     for e in kernels:
         name = e.key.lower()

@@ -89,18 +89,20 @@ class ModelRunner:
         torch.set_default_device(self.device)
         try:
             self.model = Qwen3ForCausalLM(hf_config, self.tp)
-            load_model(self.model, config.model)
-            self.sampler = Sampler()
-            reach("loaded")
-            self.warmup_model()
-            reach("warmed up")
-            self.allocate_kv_cache()
-            reach("allocated")
-            if not self.enforce_eager:
-                self.capture_cudagraph()
         finally:
+            # restored before anything is compiled: torch.compile guards on the default dtype, so kernels
+            # compiled under another one than generate() runs with would all be recompiled in the first run
             torch.set_default_device("cpu")
             torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.sampler = Sampler()
+        reach("loaded")
+        self.warmup_model()
+        reach("warmed up")
+        self.allocate_kv_cache()
+        reach("allocated")
+        if not self.enforce_eager:
+            self.capture_cudagraph()
         self.channel = None
         if self.world_size > 1:
             # workers attach to the segment only after rank 0 has created it
@@ -196,7 +198,7 @@ class ModelRunner:
         # every rank must agree, or block ids would mean different slots
         n = self.tp.all_reduce(torch.tensor([self.num_kvcache_blocks], device=self.device), dist.ReduceOp.MIN)
         self.num_kvcache_blocks = int(n.item())
-        self.kv_cache = torch.empty(self.kv_cache_shape(self.num_kvcache_blocks))
+        self.kv_cache = torch.empty(self.kv_cache_shape(self.num_kvcache_blocks), dtype=self.dtype, device=self.device)
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, module in enumerate(layers):
             module.k_cache, module.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -346,13 +348,14 @@ class ModelRunner:
     def capture_cudagraph(self) -> None:
         hf = self.config.hf_config
         max_bs = min(self.config.max_num_seqs, 512)
+        ints = dict(dtype=torch.int32, device=self.device)
         gv = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int32),
-            positions=torch.zeros(max_bs, dtype=torch.int32),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32),
-            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32),
-            outputs=torch.zeros(max_bs, hf.hidden_size),
+            input_ids=torch.zeros(max_bs, **ints),
+            positions=torch.zeros(max_bs, **ints),
+            slot_mapping=torch.full((max_bs,), -1, **ints),
+            context_lens=torch.zeros(max_bs, **ints),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, **ints),
+            outputs=torch.zeros(max_bs, hf.hidden_size, dtype=self.dtype, device=self.device),
         )
         self.graph_bs = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
         self.graph_bs = [bs for bs in self.graph_bs if bs <= max_bs]
