@@ -28,12 +28,14 @@ class SamplerOutput:
 
 @fused
 def _sample_plain(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) is a draw from p, with no sync or sort.
-    # The float32 upcast happens here, fused, rather than as a separate pass over the logits.
+    # Gumbel-max: argmax(logits / T - log E) with E ~ Exp(1) is a draw from softmax(logits / T). Unlike the
+    # softmax-then-divide form it needs no normalisation (which does not move the argmax), so it compiles
+    # to a single pass over the logits; temperature 0 rows take the plain argmax in that same pass.
     logits = logits.float()
-    probs = torch.softmax(logits / temperatures.clamp_min(1e-5).unsqueeze(1), dim=-1)
-    sampled = probs.div_(torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)).argmax(dim=-1)
-    return torch.where(temperatures == 0, logits.argmax(dim=-1), sampled)
+    log_noise = torch.empty_like(logits).exponential_(1).clamp_min_(1e-10).log()
+    temperatures = temperatures.unsqueeze(1)
+    scores = torch.where(temperatures == 0, logits, logits / temperatures.clamp_min(1e-5) - log_noise)
+    return scores.argmax(dim=-1)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
