@@ -58,6 +58,7 @@ def main() -> None:
                                        num_splits=num_splits).squeeze(1)
 
     reference = flash()
+    counters = torch.zeros(args.batch * args.kv_heads, dtype=torch.int32, device="cuda")
     print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads}, KV read {gbytes * 1e3:.0f} MB per call")
     print("| kernel | us | GB/s | max abs diff vs flash-attn |")
     print("| --- | --- | --- | --- |")
@@ -69,7 +70,7 @@ def main() -> None:
         configs = list(itertools.product((32, 64, 128), (4,), (2,), (4, 8, 16, 32, 64)))
     for block_n, warps, stages, splits in configs:
         ours = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                 block_n=block_n, num_warps=warps, num_stages=stages, max_splits=splits)
+                                 counters, block_n=block_n, num_warps=warps, num_stages=stages, max_splits=splits)
         try:
             diff = (ours().float() - reference.float()).abs().max().item()
             ms = time_ms(ours)

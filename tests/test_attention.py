@@ -99,10 +99,12 @@ def test_triton_decode_kernel_matches_torch_paged_attention(num_heads, num_kv_he
     expected = attn._torch_attention(q[:3], None, None, get_context())
     reset_context()
     # the default (many one-chunk slices) and few long slices (the online softmax runs over many chunks)
+    counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32)
     for options in ({}, {"block_n": 16, "max_splits": 2}):
-        out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, **options)
+        out = paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, counters, **options)
         torch.testing.assert_close(out[:3], expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(out[3], torch.zeros_like(out[3]))  # CUDA-graph padding rows stay finite
+        assert not counters.any()  # left ready for the next call
 
 
 @pytest.mark.gpu

@@ -199,9 +199,12 @@ class ModelRunner:
         n = self.tp.all_reduce(torch.tensor([self.num_kvcache_blocks], device=self.device), dist.ReduceOp.MIN)
         self.num_kvcache_blocks = int(n.item())
         self.kv_cache = torch.empty(self.kv_cache_shape(self.num_kvcache_blocks), dtype=self.dtype, device=self.device)
+        # layers run one after another and the decode kernel leaves its counters at zero: one buffer serves all
+        counters = torch.zeros(self.config.max_num_seqs * self.kv_cache.size(4), dtype=torch.int32, device=self.device)
         layers = [m for m in self.model.modules() if hasattr(m, "k_cache")]
         for i, module in enumerate(layers):
             module.k_cache, module.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            module.split_counters = counters
 
     # --- per-step input preparation ----------------------------------------------------------------------
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -374,3 +377,8 @@ class ModelRunner:
             torch.cuda.synchronize()
             reset_context()
         self.graph_vars = gv
+        # the LM head runs outside the graphs, and cuBLAS loads a kernel the first time it meets a batch size:
+        # meet them all now rather than in the first run
+        for bs in range(1, max_bs + 1):
+            self.model.compute_logits(gv["outputs"][:bs])
+        torch.cuda.synchronize()

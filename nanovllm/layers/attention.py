@@ -56,6 +56,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        self.split_counters: torch.Tensor | None = None  # decode kernel scratch, shared by all layers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_context()
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         # decode: our split-context Triton kernel, 10-30% faster than flash-attn 2's paged kernel on an H200
         # (tests/microbench_decode_attention.py; docs/PERFORMANCE.md)
         return paged_decode_attention(q, self.k_cache, self.v_cache, context.block_tables, context.context_lens,
-                                      self.scale)
+                                      self.scale, self.split_counters)
 
     def _torch_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: Context) -> torch.Tensor:
         """The same paged-cache semantics as the flash-attn calls, one sequence at a time."""

@@ -2,8 +2,8 @@
 
 Decode is bound by reading the KV cache, so this kernel is built around one idea: read every cached K/V row
 exactly once, for all query heads that share it (GQA), with enough independent programs in flight to keep HBM
-busy. Each program takes one (sequence, KV head, slice of the context) and keeps an online softmax; a second
-small kernel merges the slices of a sequence by their log-sum-exp.
+busy. Each program takes one (sequence, KV head, slice of the context) and keeps an online softmax; the last
+slice of a sequence to finish merges the slices by their log-sum-exp.
 """
 import torch
 import triton
@@ -17,26 +17,32 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
 
 
 @triton.jit
-def _decode_attention_partial(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, split_len, num_splits, q_stride, bt_stride,
+def _decode_attention(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
+    slices = tl.cdiv(context_len, split_len)  # this sequence's share of the num_splits slots
+    heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
+    head_mask = tl.arange(0, BLOCK_H) < GROUP  # the group is padded to BLOCK_H rows for tl.dot
+    dims = tl.arange(0, HEAD_DIM)
+    out_rows = out_ptr + seq * out_stride + heads[:, None] * HEAD_DIM + dims[None, :]
+    if context_len == 0:  # a CUDA-graph padding row: zeros, so nothing downstream sees garbage
+        if split == 0:
+            tl.store(out_rows, tl.zeros([BLOCK_H, HEAD_DIM], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=head_mask[:, None])
+        return
     start = split * split_len
     if start >= context_len:
         return
     end = tl.minimum(start + split_len, context_len)
 
-    heads = kv_head * GROUP + tl.arange(0, BLOCK_H)
-    head_mask = tl.arange(0, BLOCK_H) < GROUP  # the group is padded to BLOCK_H rows for tl.dot
-    dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)
-
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denominator = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -59,46 +65,53 @@ def _decode_attention_partial(
         acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
         running_max = new_max
 
-    part = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / denominator[:, None],
+    if slices == 1:
+        tl.store(out_rows, (acc / denominator[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        return
+    first_part = (seq * NUM_KV_HEADS * GROUP + heads) * num_splits
+    tl.store(part_out_ptr + (first_part + split)[:, None] * HEAD_DIM + dims[None, :], acc / denominator[:, None],
              mask=head_mask[:, None])
-    tl.store(part_lse_ptr + part, running_max + tl.log2(denominator), mask=head_mask)
-
-
-@triton.jit
-def _decode_attention_merge(
-    part_out_ptr, part_lse_ptr, context_lens_ptr, out_ptr, split_len, num_splits, out_stride,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, MAX_SPLITS)
-    used = splits < tl.cdiv(tl.load(context_lens_ptr + seq), split_len)
-    part = (seq * NUM_HEADS + head) * num_splits + splits
-    lse = tl.load(part_lse_ptr + part, mask=used, other=float("-inf"))
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # a padding row (context 0) has no slices: output zeros
-    weights = tl.exp2(lse - top)
-    dims = tl.arange(0, HEAD_DIM)
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=used[:, None], other=0.0)
-    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(out_ptr + seq * out_stride + head * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(part_lse_ptr + first_part + split, running_max + tl.log2(denominator), mask=head_mask)
+    # The last slice to finish merges them all (no second kernel launch per layer). The barrier orders every
+    # thread's stores before the release of the ticket; the partials are read back from L2 (.cg), past any
+    # stale L1 line, and the counter is left at 0 for the next call.
+    tl.debug_barrier()
+    counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") == slices - 1:
+        splits = tl.arange(0, MAX_SPLITS)
+        lse = tl.load(part_lse_ptr + first_part[:, None] + splits[None, :], cache_modifier=".cg",
+                      mask=head_mask[:, None] & (splits[None, :] < slices), other=float("-inf"))
+        top = tl.where(head_mask, tl.max(lse, 1), 0.0)
+        merged = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        for other in range(0, slices):
+            weight = tl.exp2(tl.load(part_lse_ptr + first_part + other, mask=head_mask, other=0.0,
+                                     cache_modifier=".cg") - top)
+            part = tl.load(part_out_ptr + (first_part + other)[:, None] * HEAD_DIM + dims[None, :],
+                           mask=head_mask[:, None], other=0.0, cache_modifier=".cg")
+            merged += weight[:, None] * part
+            total += weight
+        tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
+        tl.atomic_xchg(counter, 0)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                           max_splits: int | None = None) -> torch.Tensor:
+                           counters: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
+                           num_stages: int = 2, max_splits: int | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [blocks, page, kv_heads, head_dim]; block_tables [batch, width] int32.
 
-    Returns [batch, heads, head_dim]. Sequence i attends to its first context_lens[i] cached tokens; every
-    context length must be at least 1 (a row of zeros, as CUDA-graph padding has, produces zeros).
+    Returns [batch, heads, head_dim]: sequence i attends to its first context_lens[i] cached tokens (a row
+    with context 0, as CUDA-graph padding has, gets zeros). `counters` is int32 scratch of at least
+    batch * kv_heads zeros, which the kernel leaves at zero; reuse one buffer across calls to save a memset.
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.stride(1) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    group = num_heads // num_kv_heads
+    if counters is None:
+        counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
+    assert counters.numel() >= batch * num_kv_heads and counters.dtype == torch.int32
     block_n = min(block_n, page)
     max_splits = max_splits or default_max_splits(batch, num_kv_heads)
     # a static split count (the grid must not depend on device values under CUDA graphs): the widest table
@@ -108,15 +121,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits = triton.cdiv(max_context, split_len)
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_attention_partial[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
-        scale * 1.4426950408889634, split_len, num_splits, q.stride(0), block_tables.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        PAGE=page, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
-    )
     out = torch.empty_like(q)
-    _decode_attention_merge[(batch, num_heads)](
-        part_out, part_lse, context_lens, out, split_len, num_splits, out.stride(0),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, MAX_SPLITS=triton.next_power_of_2(max_splits),
+    _decode_attention[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        scale * 1.4426950408889634, split_len, num_splits, q.stride(0), out.stride(0), block_tables.stride(0),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
+        BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), num_warps=num_warps, num_stages=num_stages,
     )
     return out
