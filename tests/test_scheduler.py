@@ -66,6 +66,19 @@ def test_max_num_seqs_limits_running():
     assert not is_prefill and len(batch) == 2
 
 
+def test_prefill_is_possible_only_with_a_free_seat():
+    # the engine overlaps decode steps unless a prefill may come next (it needs every token known)
+    s = make_scheduler(max_num_seqs=2)
+    assert not s.may_prefill()
+    for i in range(3):
+        s.add(make_seq(5, token=i, max_tokens=2))
+    assert s.may_prefill()
+    step(s)
+    assert s.waiting and not s.may_prefill()  # two running, both seats taken
+    step(s)  # each samples its last token: both finish
+    assert s.may_prefill()
+
+
 def test_budget_counts_only_uncached_tokens():
     s = make_scheduler(max_num_batched_tokens=4 * BS)
     first = make_seq(3 * BS + 2, token=4)

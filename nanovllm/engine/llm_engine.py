@@ -103,7 +103,7 @@ class LLMEngine:
         count (negative for decode, to tell them apart).
         """
         # a prefill hashes and ships token ids, and tensor-parallel workers read them: all must be known
-        if self.scheduler.waiting or self.workers is not None:
+        if self.scheduler.may_prefill() or self.workers is not None:
             self._complete_pending()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # the step only retired requests, or all that is left is in flight

@@ -25,6 +25,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def may_prefill(self) -> bool:
+        """Whether the next schedule() can admit a waiting sequence: with every seat taken it cannot, and
+        decode steps may go on overlapping with the device although requests wait."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def schedule(self) -> tuple[list[Sequence], bool]:
         scheduled = self._schedule_prefill()
         if scheduled:
