@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
@@ -45,7 +46,8 @@ def main() -> None:
     k_cache = torch.randn(num_blocks, page, args.kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(args.batch, args.heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    context_lens = torch.randint(100, args.max_context + 1, (args.batch,), dtype=torch.int32, device="cuda")
+    context_lens = torch.randint(args.min_context, args.max_context + 1, (args.batch,), dtype=torch.int32,
+                                 device="cuda")
     block_tables = torch.randperm(num_blocks, device="cuda")[: args.batch * width].view(args.batch, width).int()
     gbytes = context_lens.sum().item() * args.kv_heads * head_dim * 2 * 2 / 1e9
     scale = head_dim ** -0.5

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from nanovllm.layers.gumbel_max import gumbel_max_sample
 from nanovllm.layers.sampler import Sampler, SamplingTensors, filter_logits
 
 
@@ -108,3 +109,50 @@ def test_logprobs_are_the_models_log_softmax():
         assert set(top.indices.tolist()) | {token} == set(entry)
         for token_id, value in entry.items():
             assert value == pytest.approx(expected[row, token_id].item(), abs=1e-5)
+
+
+# --- the Triton Gumbel-max kernel (CPU: Triton's interpreter, small; GPU: a real vocabulary) ---------------
+
+def test_gumbel_kernel_greedy_rows_take_the_first_maximum_across_chunks():
+    vocab = 2500  # three 1024-wide chunks, the last one partial
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(7))
+    logits[0, [100, 1500, 2400]] = 9.0  # a tie in three chunks: torch.argmax's first index
+    logits[1, 2499] = 9.0  # the very last position
+    logits[2, :] = float("-inf")
+    logits[2, 1030] = 0.0
+    temperatures = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    out = gumbel_max_sample(logits, temperatures, seed=1, chunk=1024)
+    assert out.dtype == torch.int64
+    assert out[:3].tolist() == [100, 2499, 1030]
+    assert 0 <= out[3].item() < vocab
+
+
+def test_gumbel_kernel_follows_the_distribution():
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    draws = 400  # the interpreter runs one program at a time: a small sample, so a loose bound
+    logits = (probs.log() * 0.7).repeat(draws, 1)  # at temperature 0.7, exactly `probs`
+    out = gumbel_max_sample(logits, torch.full((draws,), 0.7), seed=3, chunk=1024)
+    counts = torch.bincount(out, minlength=6).double()
+    chi2 = ((counts - probs * draws) ** 2 / (probs * draws)).sum().item()
+    assert chi2 < 25.0, counts  # 5 degrees of freedom: p < 1e-4 by chance
+
+
+@pytest.mark.gpu
+def test_gumbel_kernel_on_a_full_vocabulary():
+    vocab, draws, temperature = 151936, 20_000, 0.6
+    gen = torch.Generator().manual_seed(8)
+    row = torch.randn(vocab, generator=gen) * 2
+    logits = row.to("cuda", torch.bfloat16).repeat(draws, 1)
+    temperatures = torch.full((draws,), temperature, device="cuda")
+    out = gumbel_max_sample(logits, temperatures, seed=11)
+    assert torch.equal(out, gumbel_max_sample(logits, temperatures, seed=11))  # same seed, same draws
+    assert not torch.equal(out, gumbel_max_sample(logits, temperatures, seed=12))
+    probs = torch.softmax(logits[0].double().cpu() / temperature, 0)
+    top = probs.topk(15).indices
+    expected = torch.cat([probs[top], (1 - probs[top].sum()).view(1)]) * draws
+    hits = torch.bincount(out.cpu(), minlength=vocab).double()
+    counts = torch.cat([hits[top], (draws - hits[top].sum()).view(1)])
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 45.0, (counts, expected)  # 15 degrees of freedom: p < 1e-4 by chance
+    greedy = gumbel_max_sample(logits[:64], torch.zeros(64, device="cuda"), seed=0)
+    assert torch.equal(greedy, logits[:64].float().argmax(-1))

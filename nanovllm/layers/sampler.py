@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers import fused
+from nanovllm.layers.gumbel_max import gumbel_max_sample
 
 
 @dataclass
@@ -26,11 +26,10 @@ class SamplerOutput:
     logprobs: list[dict[int, float]] | None = None  # per row: sampled token and the top k, id -> logprob
 
 
-@fused
-def _sample_plain(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     # Gumbel-max: argmax(logits / T - log E) with E ~ Exp(1) is a draw from softmax(logits / T). Unlike the
-    # softmax-then-divide form it needs no normalisation (which does not move the argmax), so it compiles
-    # to a single pass over the logits; temperature 0 rows take the plain argmax in that same pass.
+    # softmax-then-divide form it needs no normalisation (which does not move the argmax); temperature 0
+    # rows take the plain argmax in the same pass. On the GPU, layers/gumbel_max.py does this in one kernel.
     logits = logits.float()
     log_noise = torch.empty_like(logits).exponential_(1).clamp_min_(1e-10).log()
     temperatures = temperatures.unsqueeze(1)
@@ -66,12 +65,13 @@ class Sampler(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.generator: torch.Generator | None = None
+        self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         plain = (params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds
                  and params.banned is None and params.num_logprobs is None)
         if plain:  # the common case: one fused kernel
-            return SamplerOutput(_sample_plain(logits, params.temperatures))
+            return SamplerOutput(self._sample_plain(logits, params.temperatures))
         logits = logits.float()
         if params.banned is not None:
             logits[params.banned] = float("-inf")
@@ -85,6 +85,15 @@ class Sampler(nn.Module):
             logprobs = [{**dict(zip(ids, values)), token: value} for ids, values, token, value in
                         zip(top.indices.tolist(), top.values.tolist(), tokens.tolist(), chosen.tolist())]
         return SamplerOutput(tokens, logprobs)
+
+    def _sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        if not logits.is_cuda:
+            return gumbel_max_torch(logits, temperatures)
+        if self.counters is None or self.counters.numel() < logits.size(0) or self.counters.device != logits.device:
+            self.counters = torch.zeros(max(512, logits.size(0)), dtype=torch.int32, device=logits.device)
+        # a fresh stream per step, drawn from torch's generator so torch.manual_seed makes runs repeatable
+        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        return gumbel_max_sample(logits, temperatures, seed, self.counters)
 
     def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         temperatures = params.temperatures

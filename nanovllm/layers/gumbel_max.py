@@ -1,0 +1,83 @@
+"""Temperature sampling in one pass over the logits: the Gumbel-max draw argmax(logits / T - log E), E ~ Exp(1).
+
+The compiled torch version was bound by the random numbers, not by memory: one Philox evaluation per logit.
+Here each Philox evaluation feeds four logits (`tl.rand4x`), and the vocabulary is cut into chunks so that a
+small batch still fills the GPU; the last chunk of a row to finish picks the row's winner.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _keep_best(row_logits, index, u, vocab, temperature, inv_temperature, best, best_index):
+    x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
+    if temperature > 0:
+        x = x * inv_temperature - tl.log(-tl.log(u))  # u == 0 gives -inf: never chosen
+    # a lane sees increasing indices, so "strictly greater" keeps the first of equal scores, as torch.argmax
+    better = x > best
+    return tl.where(better, x, best), tl.where(better, index, best_index)
+
+
+@triton.jit
+def _gumbel_max(logits_ptr, temperatures_ptr, out_ptr, part_score_ptr, part_index_ptr, counters_ptr, seed,
+                vocab, row_stride, num_chunks, CHUNK: tl.constexpr, QUARTER: tl.constexpr,
+                MAX_CHUNKS: tl.constexpr):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    temperature = tl.load(temperatures_ptr + row)
+    inv_temperature = 1.0 / tl.maximum(temperature, 1e-5)
+    lane = tl.arange(0, QUARTER)
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_index = tl.zeros([QUARTER], tl.int32)
+    row_logits = logits_ptr + row.to(tl.int64) * row_stride
+    for first in range(chunk * CHUNK, chunk * CHUNK + CHUNK, 4 * QUARTER):
+        # one Philox counter per four logits, unique per (row, position) within a call
+        u0, u1, u2, u3 = tl.rand4x(seed, row * (num_chunks * CHUNK // 4) + first // 4 + lane)
+        index = first + lane
+        best, best_index = _keep_best(row_logits, index, u0, vocab, temperature, inv_temperature, best, best_index)
+        best, best_index = _keep_best(row_logits, index + QUARTER, u1, vocab, temperature, inv_temperature, best,
+                                      best_index)
+        best, best_index = _keep_best(row_logits, index + 2 * QUARTER, u2, vocab, temperature, inv_temperature,
+                                      best, best_index)
+        best, best_index = _keep_best(row_logits, index + 3 * QUARTER, u3, vocab, temperature, inv_temperature,
+                                      best, best_index)
+    top = tl.max(best, 0)
+    top_index = tl.min(tl.where(best == top, best_index, vocab), 0)
+    tl.store(part_score_ptr + row * num_chunks + chunk, top)
+    tl.store(part_index_ptr + row * num_chunks + chunk, top_index)
+    # the last chunk of the row to finish merges (same ticket scheme as the decode attention kernel)
+    tl.debug_barrier()
+    counter = counters_ptr + row
+    if tl.atomic_add(counter, 1, sem="acq_rel") == num_chunks - 1:
+        chunks = tl.arange(0, MAX_CHUNKS)
+        valid = chunks < num_chunks
+        scores = tl.load(part_score_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"),
+                         cache_modifier=".cg")
+        indices = tl.load(part_index_ptr + row * num_chunks + chunks, mask=valid, other=vocab, cache_modifier=".cg")
+        winner = tl.max(scores, 0)
+        tl.store(out_ptr + row, tl.min(tl.where(scores == winner, indices, vocab), 0).to(tl.int64))
+        tl.atomic_xchg(counter, 0)
+
+
+def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
+                      counters: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
+    """One token id per row of `logits` [rows, vocab]: a draw from softmax(logits / T), argmax where T is 0.
+
+    `seed` picks the random stream; `counters` is int32 scratch of at least `rows` zeros that the kernel
+    leaves at zero (pass one buffer for every call to save a memset)."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and temperatures.dtype == torch.float32
+    if counters is None:
+        counters = torch.zeros(rows, dtype=torch.int32, device=logits.device)
+    assert counters.numel() >= rows and counters.dtype == torch.int32
+    num_chunks = triton.cdiv(vocab, chunk)
+    part_score = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
+    part_index = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    quarter = 256
+    assert chunk % (4 * quarter) == 0
+    _gumbel_max[(rows, num_chunks)](logits, temperatures, out, part_score, part_index, counters, seed, vocab,
+                                    logits.stride(0), num_chunks, CHUNK=chunk, QUARTER=quarter,
+                                    MAX_CHUNKS=triton.next_power_of_2(num_chunks), num_warps=4)
+    return out
