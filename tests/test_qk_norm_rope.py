@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, _rotate, qk_norm_rope
+from nanovllm.layers.rotary_embedding import KVDestination, RotaryEmbedding, _rotate, qk_norm_rope
 
 
 def eager_reference(positions, x, weight, eps, cos_sin_cache):
@@ -55,3 +55,27 @@ def test_single_token_views_with_any_row_stride():
     ones = torch.ones(head_dim)
     fused_q, fused_k = qk_norm_rope(torch.tensor([3]), q, k, ones, ones, 1e-6, cos_sin_cache)
     torch.testing.assert_close(fused_k, eager_reference(torch.tensor([3]), k, ones, 1e-6, cos_sin_cache))
+
+
+def test_keys_and_values_go_into_the_cache_slots():
+    gen = torch.Generator().manual_seed(1)
+    head_dim, num_heads, num_kv_heads, page = 128, 4, 2, 16
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(5, -1, head_dim) for x in (q, k, v))
+    k_cache = torch.full((3, page, num_kv_heads, head_dim), 7.0)
+    v_cache = torch.full_like(k_cache, 7.0)
+    slots = torch.tensor([17, -1, 0, 47, 5])  # -1: a padding row, written nowhere
+    cos_sin_cache = RotaryEmbedding(head_dim, 64, 1e6).cos_sin_cache
+    weight = torch.rand(head_dim, generator=gen) + 0.5
+    positions = torch.tensor([3, 0, 9, 40, 1])
+
+    _, fused_k = qk_norm_rope(positions, q, k, weight, weight, 1e-6, cos_sin_cache,
+                              KVDestination(v, k_cache, v_cache, slots))
+
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    written = [17, 0, 47, 5]
+    assert torch.equal(flat_k[written], fused_k[[0, 2, 3, 4]])
+    assert torch.equal(flat_v[written], v[[0, 2, 3, 4]])
+    untouched = [i for i in range(flat_k.size(0)) if i not in written]
+    assert (flat_k[untouched] == 7.0).all() and (flat_v[untouched] == 7.0).all()

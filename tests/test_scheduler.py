@@ -79,6 +79,31 @@ def test_prefill_is_possible_only_with_a_free_seat():
     assert s.may_prefill()
 
 
+def test_freed_seats_are_refilled_in_batches():
+    # 16 seats: admission waits for 2 free ones (an eighth), or for as many as there are waiting requests
+    s = make_scheduler(num_blocks=64, max_num_seqs=16, max_num_batched_tokens=1024)
+    for i in range(16):
+        s.add(make_seq(5, token=i, max_tokens=2 + i))  # request i finishes after its (2 + i)th token
+    for i in range(3):
+        s.add(make_seq(5, token=100 + i, max_tokens=50))
+    batch, is_prefill = step(s)
+    assert is_prefill and len(batch) == 16 and len(s.waiting) == 3
+    batch, is_prefill = step(s)  # the second token: request 0 finishes, one seat is free
+    assert not is_prefill and len(s.running) == 15
+    assert not s.may_prefill()
+    batch, is_prefill = step(s)  # request 1 finishes too: two free seats
+    assert not is_prefill and len(s.running) == 14 and s.may_prefill()
+    batch, is_prefill = step(s)
+    assert is_prefill and [seq.token_ids[0] for seq in batch] == [100, 101]
+    while len(s.running) == 16:
+        batch, is_prefill = step(s)
+        assert not is_prefill
+    assert len(s.running) == 15 and len(s.waiting) == 1
+    assert s.may_prefill()  # one seat is enough for the last waiting request
+    batch, is_prefill = step(s)
+    assert is_prefill and [seq.token_ids[0] for seq in batch] == [102]
+
+
 def test_budget_counts_only_uncached_tokens():
     s = make_scheduler(max_num_batched_tokens=4 * BS)
     first = make_seq(3 * BS + 2, token=4)

@@ -12,6 +12,8 @@ class Scheduler:
     def __init__(self, config: Config, num_blocks: int, decode: Callable[[list[int]], str] = lambda ids: "") -> None:
         self.decode = decode  # token ids -> text, for stop strings
         self.max_num_seqs = config.max_num_seqs
+        # seats freed by finished requests are refilled in batches of this many (see may_prefill)
+        self.admission_batch = max(1, config.max_num_seqs // 8)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.eos_token_ids = frozenset(config.eos_token_ids)
@@ -26,12 +28,21 @@ class Scheduler:
         self.waiting.append(seq)
 
     def may_prefill(self) -> bool:
-        """Whether the next schedule() can admit a waiting sequence: with every seat taken it cannot, and
-        decode steps may go on overlapping with the device although requests wait."""
-        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+        """Whether the next schedule() may run a prefill step. While it may not, decode steps go on overlapping
+        with the device although requests wait.
+
+        Free seats are refilled in batches (an eighth of max_num_seqs, or every waiting request if fewer):
+        a prefill step stops that overlap and runs eagerly, so admitting prompts one by one as single seats
+        free up costs far more than leaving a few seats empty for some steps."""
+        if not self.waiting:
+            return False
+        if self.waiting[0].block_table:  # a chunked prompt is part-way through its prefill
+            return True
+        free_seats = self.max_num_seqs - len(self.running)
+        return free_seats >= min(len(self.waiting), self.admission_batch)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        scheduled = self._schedule_prefill()
+        scheduled = self._schedule_prefill() if self.may_prefill() else []
         if scheduled:
             return scheduled, True
         return self._schedule_decode(), False

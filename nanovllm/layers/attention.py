@@ -5,6 +5,7 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.paged_decode import paged_decode_attention
+from nanovllm.layers.rotary_embedding import KVDestination
 from nanovllm.utils.context import Context, get_context
 
 
@@ -58,9 +59,16 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.split_counters: torch.Tensor | None = None  # decode kernel scratch, shared by all layers
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_destination(self, v: torch.Tensor) -> KVDestination | None:
+        """For a kernel that writes this step's K/V into the cache itself (None before the cache exists)."""
+        if self.k_cache.numel() == 0:
+            return None
+        return KVDestination(v, self.k_cache, self.v_cache, get_context().slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        """`kv_stored`: the caller has already written k and v into the cache (see `kv_destination`)."""
         context = get_context()
-        has_cache = self.k_cache.numel() > 0  # the warmup pass runs before the cache exists
+        has_cache = self.k_cache.numel() > 0 and not kv_stored  # the warmup pass runs before the cache exists
         if q.is_cuda:
             if has_cache:
                 store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)

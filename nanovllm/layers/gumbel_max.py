@@ -10,10 +10,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _keep_best(row_logits, index, u, vocab, temperature, inv_temperature, best, best_index):
+def _log2(x, LOG_MODE: tl.constexpr):
+    if LOG_MODE == 2:  # the bare hardware instruction (GPU only)
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    elif LOG_MODE == 1:
+        return tl.log2(x)
+    else:
+        return tl.log(x) * 1.4426950408889634
+
+
+@triton.jit
+def _keep_best(row_logits, index, u, vocab, temperature, scale, best, best_index, LOG_MODE: tl.constexpr):
     x = tl.load(row_logits + index, mask=index < vocab, other=float("-inf")).to(tl.float32)
     if temperature > 0:
-        x = x * inv_temperature - tl.log(-tl.log(u))  # u == 0 gives -inf: never chosen
+        # in base 2: log2(E) = log2(-log2 u) + log2(ln 2), and a constant does not move the argmax
+        x = x * scale - _log2(-_log2(u, LOG_MODE), LOG_MODE)  # u == 0 gives -inf: never chosen
     # a lane sees increasing indices, so "strictly greater" keeps the first of equal scores, as torch.argmax
     better = x > best
     return tl.where(better, x, best), tl.where(better, index, best_index)
@@ -22,11 +34,11 @@ def _keep_best(row_logits, index, u, vocab, temperature, inv_temperature, best, 
 @triton.jit
 def _gumbel_max(logits_ptr, temperatures_ptr, out_ptr, part_score_ptr, part_index_ptr, counters_ptr, seed,
                 vocab, row_stride, num_chunks, CHUNK: tl.constexpr, QUARTER: tl.constexpr,
-                MAX_CHUNKS: tl.constexpr):
+                MAX_CHUNKS: tl.constexpr, LOG_MODE: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     temperature = tl.load(temperatures_ptr + row)
-    inv_temperature = 1.0 / tl.maximum(temperature, 1e-5)
+    scale = 1.4426950408889634 / tl.maximum(temperature, 1e-5)  # log2(e) / T
     lane = tl.arange(0, QUARTER)
     best = tl.full([QUARTER], float("-inf"), tl.float32)
     best_index = tl.zeros([QUARTER], tl.int32)
@@ -35,13 +47,13 @@ def _gumbel_max(logits_ptr, temperatures_ptr, out_ptr, part_score_ptr, part_inde
         # one Philox counter per four logits, unique per (row, position) within a call
         u0, u1, u2, u3 = tl.rand4x(seed, row * (num_chunks * CHUNK // 4) + first // 4 + lane)
         index = first + lane
-        best, best_index = _keep_best(row_logits, index, u0, vocab, temperature, inv_temperature, best, best_index)
-        best, best_index = _keep_best(row_logits, index + QUARTER, u1, vocab, temperature, inv_temperature, best,
-                                      best_index)
-        best, best_index = _keep_best(row_logits, index + 2 * QUARTER, u2, vocab, temperature, inv_temperature,
-                                      best, best_index)
-        best, best_index = _keep_best(row_logits, index + 3 * QUARTER, u3, vocab, temperature, inv_temperature,
-                                      best, best_index)
+        best, best_index = _keep_best(row_logits, index, u0, vocab, temperature, scale, best, best_index, LOG_MODE)
+        best, best_index = _keep_best(row_logits, index + QUARTER, u1, vocab, temperature, scale, best,
+                                      best_index, LOG_MODE)
+        best, best_index = _keep_best(row_logits, index + 2 * QUARTER, u2, vocab, temperature, scale,
+                                      best, best_index, LOG_MODE)
+        best, best_index = _keep_best(row_logits, index + 3 * QUARTER, u3, vocab, temperature, scale,
+                                      best, best_index, LOG_MODE)
     top = tl.max(best, 0)
     top_index = tl.min(tl.where(best == top, best_index, vocab), 0)
     tl.store(part_score_ptr + row * num_chunks + chunk, top)
@@ -61,7 +73,8 @@ def _gumbel_max(logits_ptr, temperatures_ptr, out_ptr, part_score_ptr, part_inde
 
 
 def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: int,
-                      counters: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
+                      counters: torch.Tensor | None = None, chunk: int = 4096,
+                      log_mode: int | None = None) -> torch.Tensor:
     """One token id per row of `logits` [rows, vocab]: a draw from softmax(logits / T), argmax where T is 0.
 
     `seed` picks the random stream; `counters` is int32 scratch of at least `rows` zeros that the kernel
@@ -79,5 +92,7 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, seed: in
     assert chunk % (4 * quarter) == 0
     _gumbel_max[(rows, num_chunks)](logits, temperatures, out, part_score, part_index, counters, seed, vocab,
                                     logits.stride(0), num_chunks, CHUNK=chunk, QUARTER=quarter,
-                                    MAX_CHUNKS=triton.next_power_of_2(num_chunks), num_warps=4)
+                                    MAX_CHUNKS=triton.next_power_of_2(num_chunks),
+                                    LOG_MODE=(2 if logits.is_cuda else 1) if log_mode is None else log_mode,
+                                    num_warps=4)
     return out

@@ -20,7 +20,8 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
 @triton.jit
 def _decode_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride,
+    counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride, cache_block_stride,
+    cache_token_stride, cache_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
@@ -47,14 +48,13 @@ def _decode_attention(
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denominator = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    row_stride = NUM_KV_HEADS * HEAD_DIM
     for first in range(start, end, BLOCK_N):
         # BLOCK_N divides PAGE and split_len is a multiple of BLOCK_N, so a chunk never straddles two pages
         page = tl.load(block_tables_ptr + seq * bt_stride + first // PAGE).to(tl.int64)
         tokens = first + tl.arange(0, BLOCK_N)
         valid = tokens < end
-        rows = page * PAGE + tokens % PAGE
-        offsets = rows[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
+        offsets = (page * cache_block_stride + (tokens % PAGE)[:, None] * cache_token_stride
+                   + kv_head * cache_head_stride + dims[None, :])
         k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # base-2 logits: exp2 is the cheap instruction
@@ -108,7 +108,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
-    assert q.stride(2) == 1 and q.stride(1) == head_dim and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert block_tables.stride(1) == 1 and head_dim == triton.next_power_of_2(head_dim)
     if counters is None:
         counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
@@ -126,6 +127,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_attention[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale * 1.4426950408889634, split_len, num_splits, q.stride(0), out.stride(0), block_tables.stride(0),
+        *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), num_warps=num_warps, num_stages=num_stages,

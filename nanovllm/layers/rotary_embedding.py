@@ -1,3 +1,5 @@
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -32,8 +34,9 @@ class RotaryEmbedding(nn.Module):
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, out_ptr, weight_ptr, cos, sin, eps,
+def _norm_rope_heads(x_ptr, weight_ptr, cos, sin, eps,
                      NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, HALF: tl.constexpr):
+    """Both halves of every head of one token, normalised and rotated, in the input's dtype."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < NUM_HEADS
@@ -48,28 +51,55 @@ def _norm_rope_heads(x_ptr, out_ptr, weight_ptr, cos, sin, eps,
     w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
     n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(out_ptr + offsets, (n1 * cos - n2 * sin).to(dtype), mask=mask)
-    tl.store(out_ptr + offsets + HALF, (n2 * cos + n1 * sin).to(dtype), mask=mask)
+    return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype), offsets, mask
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, q_stride, k_stride, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr,
-                         q_out_ptr, k_out_ptr, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
-                         BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr):
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, positions_ptr, cos_sin_ptr, q_weight_ptr,
+                         k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
+                         NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HALF: tl.constexpr, STORE_KV: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + position * 2 * HALF + dims)
     sin = tl.load(cos_sin_ptr + position * 2 * HALF + HALF + dims)
-    _norm_rope_heads(q_ptr + token * q_stride, q_out_ptr + token * NUM_Q_HEADS * 2 * HALF, q_weight_ptr,
-                     cos, sin, eps, NUM_Q_HEADS, BLOCK_Q, HALF)
-    _norm_rope_heads(k_ptr + token * k_stride, k_out_ptr + token * NUM_K_HEADS * 2 * HALF, k_weight_ptr,
-                     cos, sin, eps, NUM_K_HEADS, BLOCK_K, HALF)
+    q1, q2, offsets, mask = _norm_rope_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS,
+                                             BLOCK_Q, HALF)
+    q_out = q_out_ptr + token * NUM_Q_HEADS * 2 * HALF
+    tl.store(q_out + offsets, q1, mask=mask)
+    tl.store(q_out + offsets + HALF, q2, mask=mask)
+    k1, k2, offsets, mask = _norm_rope_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, NUM_K_HEADS,
+                                             BLOCK_K, HALF)
+    k_out = k_out_ptr + token * NUM_K_HEADS * 2 * HALF
+    tl.store(k_out + offsets, k1, mask=mask)
+    tl.store(k_out + offsets + HALF, k2, mask=mask)
+    if STORE_KV:  # the cache write too: one launch per layer fewer than a separate store kernel
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:  # -1: CUDA-graph padding
+            row = slot * NUM_K_HEADS * 2 * HALF
+            tl.store(k_cache_ptr + row + offsets, k1, mask=mask)
+            tl.store(k_cache_ptr + row + offsets + HALF, k2, mask=mask)
+            v_in = v_ptr + token * v_stride
+            tl.store(v_cache_ptr + row + offsets, tl.load(v_in + offsets, mask=mask), mask=mask)
+            tl.store(v_cache_ptr + row + offsets + HALF, tl.load(v_in + offsets + HALF, mask=mask), mask=mask)
+
+
+@dataclass
+class KVDestination:
+    """Where a layer's new keys and values go: cache slot slot_mapping[i] for token i (-1 = none)."""
+
+    v: torch.Tensor  # [tokens, kv_heads, head_dim], may be a view into the packed qkv row
+    k_cache: torch.Tensor  # [blocks, page, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's per-head RMSNorm of q and k followed by RoPE, in one kernel launch instead of three or four.
+                 k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+                 kv_destination: KVDestination | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k followed by RoPE, in one kernel launch instead of three or four;
+    with `kv_destination`, the rotated keys and the values are written into the KV cache in the same launch.
 
     q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] may be views into one packed qkv row; the
     results are new contiguous tensors, equal to rotary(q_norm(q), k_norm(k)) computed by the modules.
@@ -80,10 +110,16 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_we
     assert head_dim % 2 == 0 and head_dim // 2 == triton.next_power_of_2(head_dim // 2)
     q_out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(num_tokens, num_k_heads, head_dim, dtype=k.dtype, device=k.device)
+    dest = kv_destination
+    if dest is not None:
+        assert dest.v.stride(1) == head_dim and dest.v.stride(2) == 1 and dest.slot_mapping.numel() == num_tokens
+        assert dest.k_cache.is_contiguous() and dest.v_cache.is_contiguous()
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens,)](
-            q, k, q.stride(0), k.stride(0), positions, cos_sin_cache, q_weight, k_weight, q_out, k_out, eps,
+            q, k, k if dest is None else dest.v, q.stride(0), k.stride(0), 0 if dest is None else dest.v.stride(0),
+            positions, cos_sin_cache, q_weight, k_weight, q_out, k_out,
+            *((k_out, k_out, positions) if dest is None else (dest.k_cache, dest.v_cache, dest.slot_mapping)), eps,
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_Q=triton.next_power_of_2(num_q_heads),
-            BLOCK_K=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2,
+            BLOCK_K=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, STORE_KV=dest is not None,
         )
     return q_out, k_out

@@ -43,12 +43,15 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda:
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if q.is_cuda:  # one kernel: norms, RoPE and the KV-cache write
+            destination = self.attn.kv_destination(v)
             q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.rotary_emb.cos_sin_cache)
+                                self.rotary_emb.cos_sin_cache, destination)
+            o = self.attn(q, k, v, kv_stored=destination is not None)
         else:
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+            o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1, -1))
 
 
