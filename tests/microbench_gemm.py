@@ -41,7 +41,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--batches", default="16,64,128,256")
     parser.add_argument("--sweep", action="store_true", help="try every tile config, not just the default choice")
+    parser.add_argument("--blas", default="cublas", choices=("cublas", "cublaslt"), help="torch's BLAS backend")
     args = parser.parse_args()
+    torch.backends.cuda.preferred_blas_library(args.blas)
     h, d = args.hidden, 128
     shapes = {"qkv": ((args.heads + 2 * args.kv_heads) * d, h), "o": (h, args.heads * d),
               "gate_up": (2 * args.intermediate, h), "down": (h, args.intermediate), "lm_head": (151936, h)}

@@ -11,10 +11,10 @@ import triton.language as tl
 
 
 def default_max_splits(batch: int, num_kv_heads: int) -> int:
-    """Slices per sequence: about 2048 (sequence, KV head, slice) programs keep an H200 busy. Measured with
-    `tests/microbench_decode_attention.py --sweep` (8 KV heads): 4-8 slices are best from 64 sequences up,
-    8-16 at 16 sequences (within 2%), 64 at 4 sequences."""
-    return min(64, max(8, triton.next_power_of_2(2048 // (batch * num_kv_heads))))
+    """Slices per sequence, for about a thousand (sequence, KV head, slice) programs at small batches.
+    Measured with `tests/microbench_decode_attention.py --sweep` on an H200 (8 KV heads, contexts as in
+    bench.py's run): 4-8 slices are best from 16 sequences up, 16 at 4 and 8 sequences (64 was 40% slower)."""
+    return min(16, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
 
 
 @triton.jit
