@@ -78,8 +78,11 @@ def graph_outputs(model_path, hf_model):
             allocations.append(seq.num_cached_tokens)
 
         llm.scheduler.block_manager.allocate = logging_allocate
-        first = llm.generate(shared[:1], GREEDY, use_tqdm=False)
-        second = llm.generate(shared, GREEDY, use_tqdm=False)
+        # 200 tokens each: at 32 (160 in all) the share of exact-argmax tokens moved by +-4 points between
+        # runs whose only difference was the order of float32 sums, too close to the 3-point bound
+        longer = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        first = llm.generate(shared[:1], longer, use_tqdm=False)
+        second = llm.generate(shared, longer, use_tqdm=False)
         assert allocations[0] == 0 and all(n >= 1024 for n in allocations[1:]), allocations
         # cached and uncached prefixes round differently in bf16, so each is held to transformers, not to the other
         check(hf_model, shared[:1] + shared, first + second)
