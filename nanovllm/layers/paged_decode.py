@@ -21,9 +21,9 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
 def _decode_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride, cache_block_stride,
-    cache_token_stride, cache_head_stride, k_desc, v_desc,
+    cache_token_stride, cache_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, USE_TMA: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -53,15 +53,10 @@ def _decode_attention(
         page = tl.load(block_tables_ptr + seq * bt_stride + first // PAGE).to(tl.int64)
         tokens = first + tl.arange(0, BLOCK_N)
         valid = tokens < end
-        if USE_TMA:  # the tile is one box of the cache seen as [blocks * page, kv_heads * head_dim]
-            k = k_desc.load([(page * PAGE + first % PAGE).to(tl.int32), kv_head * HEAD_DIM])
-            v = v_desc.load([(page * PAGE + first % PAGE).to(tl.int32), kv_head * HEAD_DIM])
-            v = tl.where(valid[:, None], v, 0.0)  # rows past the context may hold anything, NaN included
-        else:
-            offsets = (page * cache_block_stride + (tokens % PAGE)[:, None] * cache_token_stride
-                       + kv_head * cache_head_stride + dims[None, :])
-            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        offsets = (page * cache_block_stride + (tokens % PAGE)[:, None] * cache_token_stride
+                   + kv_head * cache_head_stride + dims[None, :])
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # base-2 logits: exp2 is the cheap instruction
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -104,7 +99,7 @@ def _decode_attention(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            counters: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, max_splits: int | None = None, use_tma: bool = False) -> torch.Tensor:
+                           num_stages: int = 2, max_splits: int | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [blocks, page, kv_heads, head_dim]; block_tables [batch, width] int32.
 
     Returns [batch, heads, head_dim]: sequence i attends to its first context_lens[i] cached tokens (a row
@@ -129,20 +124,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    k_desc = v_desc = None
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        k_desc, v_desc = (TensorDescriptor.from_tensor(c.view(-1, num_kv_heads * head_dim), [block_n, head_dim])
-                          for c in (k_cache, v_cache))
     _decode_attention[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale * 1.4426950408889634, split_len, num_splits, q.stride(0), out.stride(0), block_tables.stride(0),
-        *k_cache.stride()[:3], k_desc, v_desc,
+        *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), USE_TMA=use_tma, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), num_warps=num_warps, num_stages=num_stages,
     )
     return out
