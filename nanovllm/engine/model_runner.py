@@ -213,12 +213,12 @@ class ModelRunner:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-    def _block_tables(self, seqs: list[Sequence], width: int) -> torch.Tensor:
-        # padded with block 0: attention never reads past a sequence's length, so padding is never used
-        table = np.zeros((len(seqs), width), dtype=np.int32)
+    @staticmethod
+    def _fill_block_tables(table: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
+        # the rest stays at block 0: attention never reads past a sequence's length, so padding is never used
         for i, seq in enumerate(seqs):
             table[i, : len(seq.block_table)] = seq.block_table
-        return self._to_device(table)
+        return table
 
     def _slots(self, seq: Sequence, start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
@@ -243,7 +243,8 @@ class ModelRunner:
                 slots.append(self._slots(seq, start, end))
         block_tables = None
         if prefix_cached:
-            block_tables = self._block_tables(seqs, max(len(seq.block_table) for seq in seqs))
+            width = max(len(seq.block_table) for seq in seqs)
+            block_tables = self._to_device(self._fill_block_tables(np.zeros((len(seqs), width), np.int32), seqs))
         set_context(
             is_prefill=True,
             cu_seqlens_q=self._to_device(np.array(cu_seqlens_q, dtype=np.int32)),
@@ -275,9 +276,7 @@ class ModelRunner:
             rows = {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
             host[4, pending] = [rows[seqs[i].seq_id] for i in pending]
         # full width every step, so a CUDA graph's block-table buffer never keeps a wider step's entries
-        tables = host[5:].T
-        for i, seq in enumerate(seqs):
-            tables[i, : len(seq.block_table)] = seq.block_table
+        self._fill_block_tables(host[5:].T, seqs)
         device = self._to_device(host)
         input_ids = device[0]
         if len(pending):

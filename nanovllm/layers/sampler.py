@@ -99,8 +99,7 @@ class Sampler(nn.Module):
         temperatures = params.temperatures
         scaled = filter_logits(logits / temperatures.clamp_min(1e-5).unsqueeze(1), params.top_k, params.top_p,
                                params.min_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(1)
+        noise = torch.empty_like(scaled).exponential_(1)
         if params.seeds:
             # a seeded row draws from its own stream, so the batch around it cannot change its tokens
             if self.generator is None or self.generator.device != logits.device:
@@ -108,6 +107,6 @@ class Sampler(nn.Module):
             for row, seed in params.seeds:
                 self.generator.manual_seed(seed)
                 noise[row].exponential_(1, generator=self.generator)
-        sampled = probs.div_(noise.clamp_min_(1e-10)).argmax(dim=-1)
+        sampled = (scaled - noise.clamp_min_(1e-10).log()).argmax(dim=-1)  # Gumbel-max, as gumbel_max_torch
         greedy = logits.argmax(dim=-1)
         return torch.where(temperatures == 0, greedy, sampled)
