@@ -67,7 +67,6 @@ def test_max_num_seqs_limits_running():
 
 
 def test_prefill_is_possible_only_with_a_free_seat():
-    # the engine overlaps decode steps unless a prefill may come next (it needs every token known)
     s = make_scheduler(max_num_seqs=2)
     assert not s.may_prefill()
     for i in range(3):

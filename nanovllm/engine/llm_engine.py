@@ -102,8 +102,11 @@ class LLMEngine:
         (postprocess, scheduling, input preparation) behind device time. Returns the batch and its token
         count (negative for decode, to tell them apart).
         """
-        # a prefill hashes and ships token ids, and tensor-parallel workers read them: all must be known
-        if self.scheduler.may_prefill() or self.workers is not None:
+        # Tensor-parallel workers read token ids on the host, so there each step waits for the previous one.
+        # Otherwise a prefill overlaps with the step in flight as a decode does: it feeds known prompt tokens (a
+        # request preempted while its token was in flight gets that token when the step completes, which is
+        # before the next schedule() can admit it again).
+        if self.workers is not None:
             self._complete_pending()
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # the step only retired requests, or all that is left is in flight

@@ -28,11 +28,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def may_prefill(self) -> bool:
-        """Whether the next schedule() may run a prefill step. While it may not, decode steps go on overlapping
-        with the device although requests wait.
+        """Whether schedule() may admit waiting requests now.
 
-        Free seats are refilled in batches (an eighth of max_num_seqs, or every waiting request if fewer):
-        a prefill step stops that overlap and runs eagerly, so admitting prompts one by one as single seats
+        Free seats are refilled in batches (an eighth of max_num_seqs, or every waiting request if fewer): a
+        prefill step runs eagerly, outside the CUDA graphs, so admitting prompts one by one as single seats
         free up costs far more than leaving a few seats empty for some steps."""
         if not self.waiting:
             return False
@@ -52,6 +51,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            assert seq.token_ids[-1] != PENDING, "a prefill must feed known tokens (see LLMEngine.step)"
             if not seq.block_table:  # a chunked prompt keeps its blocks between its steps
                 if not self.block_manager.can_allocate(seq):
                     break
