@@ -59,30 +59,34 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
                          k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
                          NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, BLOCK_Q: tl.constexpr,
                          BLOCK_K: tl.constexpr, HALF: tl.constexpr, STORE_KV: tl.constexpr):
+    # q and k in separate programs: twice the programs of one per token, each half as long (small batches
+    # are latency-bound)
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token)
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + position * 2 * HALF + dims)
     sin = tl.load(cos_sin_ptr + position * 2 * HALF + HALF + dims)
-    q1, q2, offsets, mask = _norm_rope_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS,
-                                             BLOCK_Q, HALF)
-    q_out = q_out_ptr + token * NUM_Q_HEADS * 2 * HALF
-    tl.store(q_out + offsets, q1, mask=mask)
-    tl.store(q_out + offsets + HALF, q2, mask=mask)
-    k1, k2, offsets, mask = _norm_rope_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, NUM_K_HEADS,
-                                             BLOCK_K, HALF)
-    k_out = k_out_ptr + token * NUM_K_HEADS * 2 * HALF
-    tl.store(k_out + offsets, k1, mask=mask)
-    tl.store(k_out + offsets + HALF, k2, mask=mask)
-    if STORE_KV:  # the cache write too: one launch per layer fewer than a separate store kernel
-        slot = tl.load(slot_mapping_ptr + token)
-        if slot >= 0:  # -1: CUDA-graph padding
-            row = slot * NUM_K_HEADS * 2 * HALF
-            tl.store(k_cache_ptr + row + offsets, k1, mask=mask)
-            tl.store(k_cache_ptr + row + offsets + HALF, k2, mask=mask)
-            v_in = v_ptr + token * v_stride
-            tl.store(v_cache_ptr + row + offsets, tl.load(v_in + offsets, mask=mask), mask=mask)
-            tl.store(v_cache_ptr + row + offsets + HALF, tl.load(v_in + offsets + HALF, mask=mask), mask=mask)
+    if tl.program_id(1) == 0:
+        q1, q2, offsets, mask = _norm_rope_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS,
+                                                 BLOCK_Q, HALF)
+        q_out = q_out_ptr + token * NUM_Q_HEADS * 2 * HALF
+        tl.store(q_out + offsets, q1, mask=mask)
+        tl.store(q_out + offsets + HALF, q2, mask=mask)
+    else:
+        k1, k2, offsets, mask = _norm_rope_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, NUM_K_HEADS,
+                                                 BLOCK_K, HALF)
+        k_out = k_out_ptr + token * NUM_K_HEADS * 2 * HALF
+        tl.store(k_out + offsets, k1, mask=mask)
+        tl.store(k_out + offsets + HALF, k2, mask=mask)
+        if STORE_KV:  # the cache write too: one launch per layer fewer than a separate store kernel
+            slot = tl.load(slot_mapping_ptr + token)
+            if slot >= 0:  # -1: CUDA-graph padding
+                row = slot * NUM_K_HEADS * 2 * HALF
+                tl.store(k_cache_ptr + row + offsets, k1, mask=mask)
+                tl.store(k_cache_ptr + row + offsets + HALF, k2, mask=mask)
+                v_in = v_ptr + token * v_stride
+                tl.store(v_cache_ptr + row + offsets, tl.load(v_in + offsets, mask=mask), mask=mask)
+                tl.store(v_cache_ptr + row + offsets + HALF, tl.load(v_in + offsets + HALF, mask=mask), mask=mask)
 
 
 @dataclass
@@ -115,7 +119,7 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_we
         assert dest.v.stride(1) == head_dim and dest.v.stride(2) == 1 and dest.slot_mapping.numel() == num_tokens
         assert dest.k_cache.is_contiguous() and dest.v_cache.is_contiguous()
     if num_tokens:
-        _qk_norm_rope_kernel[(num_tokens,)](
+        _qk_norm_rope_kernel[(num_tokens, 2)](
             q, k, k if dest is None else dest.v, q.stride(0), k.stride(0), 0 if dest is None else dest.v.stride(0),
             positions, cos_sin_cache, q_weight, k_weight, q_out, k_out,
             *((k_out, k_out, positions) if dest is None else (dest.k_cache, dest.v_cache, dest.slot_mapping)), eps,
