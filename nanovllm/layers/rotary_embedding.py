@@ -67,26 +67,26 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
     cos = tl.load(cos_sin_ptr + position * 2 * HALF + dims)
     sin = tl.load(cos_sin_ptr + position * 2 * HALF + HALF + dims)
     if tl.program_id(1) == 0:
-        q1, q2, offsets, mask = _norm_rope_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps, NUM_Q_HEADS,
-                                                 BLOCK_Q, HALF)
+        q1, q2, q_offsets, q_mask = _norm_rope_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps,
+                                                     NUM_Q_HEADS, BLOCK_Q, HALF)
         q_out = q_out_ptr + token * NUM_Q_HEADS * 2 * HALF
-        tl.store(q_out + offsets, q1, mask=mask)
-        tl.store(q_out + offsets + HALF, q2, mask=mask)
+        tl.store(q_out + q_offsets, q1, mask=q_mask)
+        tl.store(q_out + q_offsets + HALF, q2, mask=q_mask)
     else:
-        k1, k2, offsets, mask = _norm_rope_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps, NUM_K_HEADS,
-                                                 BLOCK_K, HALF)
+        k1, k2, k_offsets, k_mask = _norm_rope_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps,
+                                                     NUM_K_HEADS, BLOCK_K, HALF)
         k_out = k_out_ptr + token * NUM_K_HEADS * 2 * HALF
-        tl.store(k_out + offsets, k1, mask=mask)
-        tl.store(k_out + offsets + HALF, k2, mask=mask)
+        tl.store(k_out + k_offsets, k1, mask=k_mask)
+        tl.store(k_out + k_offsets + HALF, k2, mask=k_mask)
         if STORE_KV:  # the cache write too: one launch per layer fewer than a separate store kernel
             slot = tl.load(slot_mapping_ptr + token)
             if slot >= 0:  # -1: CUDA-graph padding
                 row = slot * NUM_K_HEADS * 2 * HALF
-                tl.store(k_cache_ptr + row + offsets, k1, mask=mask)
-                tl.store(k_cache_ptr + row + offsets + HALF, k2, mask=mask)
-                v_in = v_ptr + token * v_stride
-                tl.store(v_cache_ptr + row + offsets, tl.load(v_in + offsets, mask=mask), mask=mask)
-                tl.store(v_cache_ptr + row + offsets + HALF, tl.load(v_in + offsets + HALF, mask=mask), mask=mask)
+                tl.store(k_cache_ptr + row + k_offsets, k1, mask=k_mask)
+                tl.store(k_cache_ptr + row + k_offsets + HALF, k2, mask=k_mask)
+                v_in, v_out = v_ptr + token * v_stride + k_offsets, v_cache_ptr + row + k_offsets
+                tl.store(v_out, tl.load(v_in, mask=k_mask), mask=k_mask)
+                tl.store(v_out + HALF, tl.load(v_in + HALF, mask=k_mask), mask=k_mask)
 
 
 @dataclass
