@@ -10,25 +10,9 @@ import functools
 import itertools
 
 import torch
+from cuda_timing import graph_time_us
 
 from nanovllm.layers.paged_decode import paged_decode_attention
-
-
-def time_ms(fn, iters: int = 50) -> float:
-    """Device time per call, replayed from a CUDA graph as the engine runs it (no Python launch cost)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -65,7 +49,7 @@ def main() -> None:
     print("| kernel | us | GB/s | max abs diff vs flash-attn |")
     print("| --- | --- | --- | --- |")
     for splits in (0, 1, 2, 4, 8):
-        ms = time_ms(functools.partial(flash, splits))
+        ms = graph_time_us([functools.partial(flash, splits)], repeat=50) / 1e3
         print(f"| flash-attn num_splits={splits} | {ms * 1e3:.1f} | {gbytes / ms * 1e3:.0f} | - |")
     configs = [(64, 4, 2, None)]  # the defaults
     if args.sweep:
@@ -75,7 +59,7 @@ def main() -> None:
                                  counters, block_n=block_n, num_warps=warps, num_stages=stages, max_splits=splits)
         try:
             diff = (ours().float() - reference.float()).abs().max().item()
-            ms = time_ms(ours)
+            ms = graph_time_us([ours], repeat=50) / 1e3
         except Exception as exc:  # a config may not fit in shared memory
             print(f"| triton n={block_n} w={warps} s={stages} splits={splits} | failed: {type(exc).__name__} | | |")
             continue
@@ -88,7 +72,7 @@ def main() -> None:
         ours = functools.partial(paged_decode_attention, q, *head_major, block_tables, context_lens, scale, counters,
                                  max_splits=splits)
         diff = (ours().float() - reference.float()).abs().max().item()
-        ms = time_ms(ours)
+        ms = graph_time_us([ours], repeat=50) / 1e3
         print(f"| triton head-major pages, splits={splits} | {ms * 1e3:.1f} | {gbytes / ms * 1e3:.0f} | {diff:.2e} |")
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from cuda_timing import graph_time_us
 
 # The candidate: x @ W.T for the few rows of a decode step, split along K so that enough programs stream the
 # weights (an output of 256 x 1024 is only a handful of 128-wide tiles). Each program takes a BLOCK_N slice of
@@ -85,25 +86,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor | 
     return out
 
 
-def time_us(fns, repeat: int = 3) -> float:
-    """Device time per call of a list of calls (one per weight copy), from a CUDA graph replay."""
-    for fn in fns:
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for fn in fns:
-                fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (repeat * len(fns))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=1024)
@@ -126,7 +108,8 @@ def main() -> None:
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
         outs = [torch.empty(m, n, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
-        cublas = time_us([lambda w=w, o=o, x=x: torch.matmul(x, w.t(), out=o) for w, o in zip(weights, outs)])
+        cublas = graph_time_us([lambda w=w, o=o, x=x: torch.matmul(x, w.t(), out=o) for w, o in zip(weights, outs)],
+                               repeat=3)
         expected = F.linear(x, weights[0]).float()
         totals[("cublas", m)] = totals.get(("cublas", m), 0.0) + cublas * (1 if name == "lm_head" else 28)
         configs = [None]
@@ -139,7 +122,8 @@ def main() -> None:
                 continue
             try:
                 diff = (skinny_gemm(x, weights[0], **options).float() - expected).abs().max().item()
-                us = time_us([lambda w=w, x=x, options=options: skinny_gemm(x, w, **options) for w in weights])
+                us = graph_time_us([lambda w=w, x=x, options=options: skinny_gemm(x, w, **options) for w in weights],
+                                   repeat=3)
             except Exception as exc:  # noqa: BLE001 - a config may not fit; report and go on
                 print(f"| {name} | {m} | config {options} failed: {type(exc).__name__} |")
                 continue
