@@ -102,19 +102,16 @@ class LLMEngine:
         (postprocess, scheduling, input preparation) behind device time. Returns the batch and its token
         count (negative for decode, to tell them apart).
         """
-        # Tensor-parallel workers read token ids on the host, so there each step waits for the previous one.
-        # Otherwise a prefill overlaps with the step in flight as a decode does: it feeds known prompt tokens (a
-        # request preempted while its token was in flight gets that token when the step completes, which is
-        # before the next schedule() can admit it again).
-        if self.workers is not None:
-            self._complete_pending()
+        # A prefill overlaps with the step in flight as a decode does: it feeds known prompt tokens (a request
+        # preempted while its token was in flight gets that token when the step completes, which is before the
+        # next schedule() can admit it again).
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # the step only retired requests, or all that is left is in flight
             self._complete_pending()
             return seqs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
         if self.workers is None:
-            launched = self.model_runner.launch(seqs, is_prefill, self.pending)
+            launched = self.model_runner.launch(seqs, is_prefill)
         else:
             self.workers.check_alive()  # a dead peer would leave rank 0 waiting in a collective
             with deferred_interrupt():
@@ -122,8 +119,6 @@ class LLMEngine:
         launched.spans = self.scheduler.advance(seqs)
         self._complete_pending()
         self.pending = launched
-        if self.workers is not None:
-            self._complete_pending()
         return seqs, num_tokens
 
     def _complete_pending(self) -> None:

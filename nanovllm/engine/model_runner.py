@@ -96,6 +96,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
         self.sampler = Sampler()
+        self.last_step: LaunchedStep | None = None  # its tokens feed the next decode step on the device
         reach("loaded")
         self.warmup_model()
         reach("warmed up")
@@ -128,6 +129,7 @@ class ModelRunner:
         return getattr(self, method)(*args)
 
     def exit(self) -> None:
+        self.last_step = None
         if self.channel is not None:
             self.channel.close()
         if not self.enforce_eager:
@@ -330,21 +332,32 @@ class ModelRunner:
         return self.model.compute_logits(gv["outputs"][:bs])
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: "LaunchedStep | None" = None) -> LaunchedStep:
-        """Queue one step on the device and return at once; the sampled tokens are read back later."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep:
+        """Queue one step on the device and return at once; the sampled tokens are read back later.
+
+        A sequence may feed the previous step's token before the host has it (PENDING): every rank holds that
+        step's tokens on the device, rank 0 from its sampler and the others from a broadcast, so no rank
+        waits for the host between steps."""
         if is_prefill:
             input_ids, positions = self.prepare_prefill(seqs)
         else:
-            input_ids, positions = self.prepare_decode(seqs, previous)
+            input_ids, positions = self.prepare_decode(seqs, self.last_step)
         sampling = self.prepare_sampling(seqs) if self.rank == 0 else None
         try:
             logits = self.run_model(input_ids, positions, is_prefill)
-            if self.rank != 0:
-                return LaunchedStep(seqs)
-            output = self.sampler(logits, sampling)
+            if self.rank == 0:
+                output = self.sampler(logits, sampling)
+                token_ids, logprobs = output.token_ids, output.logprobs
+            else:
+                token_ids, logprobs = torch.empty(len(seqs), dtype=torch.int64, device=self.device), None
+            self.tp.broadcast_from_first(token_ids)
         finally:
             reset_context()
-        return LaunchedStep.start_copy(seqs, output.token_ids, output.logprobs)
+        if self.rank == 0:
+            self.last_step = LaunchedStep.start_copy(seqs, token_ids, logprobs)
+        else:
+            self.last_step = LaunchedStep(seqs, token_ids)
+        return self.last_step
 
     @torch.inference_mode()
     def capture_cudagraph(self) -> None:

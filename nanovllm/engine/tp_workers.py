@@ -30,6 +30,13 @@ class WorkerChannel:
 
     def send(self, events: list[Event], method: str, *args) -> None:
         data = pickle.dumps([method, *args])
+        # rank 0 runs a step ahead of the device: a worker may not have read the last message yet (it clears
+        # its event once it has), and overwriting it would lose a step
+        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+        while any(event.is_set() for event in events):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a tensor-parallel worker did not read its last message within {STORE_TIMEOUT}")
+            time.sleep(0)
         if len(data) + 4 > self.shm.size:
             raise RuntimeError(f"tensor-parallel message of {len(data)} bytes exceeds the {self.shm.size}-byte "
                                f"shared-memory segment")

@@ -37,6 +37,14 @@ class TensorParallelGroup:
             self.pg.allreduce([tensor], options).wait()
         return tensor
 
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor into `tensor` on every other rank (a buffer of the same shape and dtype)."""
+        if self.size > 1:
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            self.pg.broadcast([tensor], options).wait()
+        return tensor
+
     def gather_to_first(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's tensor, in rank order, on rank 0; None elsewhere."""
         if self.size == 1:
