@@ -15,7 +15,7 @@ def _store_kvcache_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int32 slot * row width can pass 2**31
     if slot == -1:  # the token's KV is already cached (or it is padding)
         return
     offsets = tl.arange(0, BLOCK_D)

@@ -79,7 +79,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
         tl.store(k_out + k_offsets, k1, mask=k_mask)
         tl.store(k_out + k_offsets + HALF, k2, mask=k_mask)
         if STORE_KV:  # the cache write too: one launch per layer fewer than a separate store kernel
-            slot = tl.load(slot_mapping_ptr + token)
+            slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int32 slot * row width can pass 2**31
             if slot >= 0:  # -1: CUDA-graph padding
                 row = slot * NUM_K_HEADS * 2 * HALF
                 tl.store(k_cache_ptr + row + k_offsets, k1, mask=k_mask)
