@@ -39,7 +39,7 @@ class LaunchedStep:
     """A step whose sampled tokens may still be on their way back from the device."""
 
     seqs: list[Sequence]
-    token_ids: torch.Tensor | None = None  # on the device, row i for seqs[i] (rank 0 only)
+    token_ids: torch.Tensor | None = None  # on the device, row i for seqs[i] (workers: broadcast from rank 0)
     host_token_ids: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
     logprobs: list[dict[int, float]] | None = None
