@@ -12,6 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from nanovllm.layers.activation import _silu_and_mul_kernel
 from nanovllm.layers.attention import _store_kvcache_kernel
 from nanovllm.layers.gumbel_max import _gumbel_max
 from nanovllm.layers.paged_decode import _decode_attention
@@ -27,6 +28,7 @@ KERNELS = [
     (_decode_attention, dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)),
     (_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True)),
     (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024)),
+    (_silu_and_mul_kernel, dict(BLOCK=1024)),
 ]
 failed = 0
 for kernel, constexprs in KERNELS:
@@ -61,4 +63,4 @@ def test_every_kernel_compiles_for_sm90():
     result = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 5, result.stdout
+    assert result.stdout.count("compiled") == 6, result.stdout
