@@ -11,9 +11,13 @@ import triton.language as tl
 
 
 def default_max_splits(batch: int, num_kv_heads: int) -> int:
-    """Slices per sequence, for about a thousand (sequence, KV head, slice) programs at small batches.
-    Measured with `tests/microbench_decode_attention.py --sweep` on an H200 (8 KV heads, contexts as in
-    bench.py's run): 4-8 slices are best from 16 sequences up, 16 at 4 and 8 sequences (64 was 40% slower)."""
+    """Slices per sequence (of the table's full width), for about a thousand (sequence, KV head, slice)
+    programs at small batches and fewer, longer slices once the batch alone gives that many. Measured with
+    `tests/microbench_decode_attention.py` on an H200 (8 KV heads, 4,096-token tables, contexts as in
+    bench.py's run): 4 slices are 1-3.5% faster than 8 from 128 sequences up and 7-20% slower below; 8 are
+    best from 16 sequences up, 16 at 4 and 8 sequences (64 was 40% slower)."""
+    if batch * num_kv_heads >= 1024:
+        return 4
     return min(16, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
 
 
