@@ -10,9 +10,39 @@ import functools
 import itertools
 
 import torch
+import triton
+import triton.language as tl
 from cuda_timing import graph_time_us
 
 from nanovllm.layers.paged_decode import paged_decode_attention
+
+
+@triton.jit
+def _read_all(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
+    # the attention kernel's ceiling: every byte read once, as wide and as many at a time as the GPU allows
+    start = tl.program_id(0).to(tl.int64) * per_program
+    acc = tl.zeros([BLOCK], tl.float32)
+    for offset in range(0, per_program, BLOCK):
+        acc += tl.load(x_ptr + start + offset + tl.arange(0, BLOCK)).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
+
+
+def streaming_read_ceiling() -> None:
+    """HBM read bandwidth with no paging, no scattering and no arithmetic to speak of."""
+    x = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB, 40x the L2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print("| streaming read of 2 GiB | us | GB/s |")
+    print("| --- | --- | --- |")
+    for programs_per_sm, block, warps in itertools.product((4, 8, 16), (2048, 8192), (4, 8)):
+        programs = sms * programs_per_sm
+        per_program = x.numel() // programs // block * block
+        out = torch.empty(programs, dtype=torch.float32, device="cuda")
+        call = functools.partial(_read_all[(programs,)], x, out, per_program, BLOCK=block, num_warps=warps)
+        us = graph_time_us([call], repeat=5)
+        print(f"| {programs_per_sm} programs/SM, {block} per load, {warps} warps | {us:.0f} | "
+              f"{programs * per_program * 2 / us / 1e3:.0f} |")
+    us = graph_time_us([lambda: x.sum(dtype=torch.float32)], repeat=5)
+    print(f"| torch x.sum() | {us:.0f} | {x.numel() * 2 / us / 1e3:.0f} |")
 
 
 def main() -> None:
@@ -23,7 +53,10 @@ def main() -> None:
     parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--ceiling", action="store_true", help="only time a plain streaming read of HBM")
     args = parser.parse_args()
+    if args.ceiling:
+        return streaming_read_ceiling()
     torch.manual_seed(0)
     page, head_dim, width = 256, 128, 16
     num_blocks = args.batch * width + 100
