@@ -31,6 +31,27 @@ def main() -> None:
     prompts = [[randint(0, 10000) for _ in range(randint(100, 1024))] for _ in range(256)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, 1024)) for _ in range(256)]
 
+    # CPU seconds per engine phase and run: is the first run's extra spent launching work or waiting for it?
+    phases: dict[str, float] = {}
+
+    def timed(obj, name: str, label: str) -> None:
+        method = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                phases[label] = phases.get(label, 0.0) + time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+
+    from nanovllm.engine.model_runner import LaunchedStep
+    runner = llm.model_runner
+    for obj, name in ((llm.scheduler, "schedule"), (llm.scheduler, "postprocess"), (runner, "prepare_prefill"),
+                      (runner, "prepare_decode"), (runner, "run_model"), (runner.sampler, "forward"),
+                      (LaunchedStep, "result")):
+        timed(obj, name, f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
     step, log = llm.step, []
 
     def timed_step():
@@ -44,9 +65,11 @@ def main() -> None:
     for run in range(1, 4):
         phase[0] = f"run {run}"
         log.clear()
+        phases.clear()
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        print(f"run {run}: {time.perf_counter() - start:.2f} s, {len(log)} steps", flush=True)
+        print(f"run {run}: {time.perf_counter() - start:.2f} s, {len(log)} steps; CPU seconds by phase: "
+              + ", ".join(f"{k} {v:.3f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])), flush=True)
         runs.append(list(log))
     diffs = sorted(((a[1] - b[1], i, a[0]) for i, (a, b) in enumerate(zip(runs[0], runs[2]))), reverse=True)
     print("slowest steps of run 1 against run 3 (extra seconds, step, tokens):",
