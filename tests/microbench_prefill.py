@@ -40,6 +40,7 @@ def main() -> None:
         batch = prompts(trial)
         tokens = sum(map(len, batch))
         segments = torch.cuda.memory_stats().get("segment.all.allocated", 0)
+        reserved = torch.cuda.memory_reserved()
         torch.cuda.synchronize()
         start = time.perf_counter()
         if trial == 0 and args.profile_first:  # what the first large prefill of a process does on the CPU
@@ -50,9 +51,10 @@ def main() -> None:
             llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         new_segments = torch.cuda.memory_stats().get("segment.all.allocated", 0) - segments
+        new_gib = (torch.cuda.memory_reserved() - reserved) / 2**30
         print(f"trial {trial + 1}: {tokens} prompt tokens in {elapsed:.3f} s: {tokens / elapsed:,.0f} tok/s, "
               f"matmuls {2 * layer_params * tokens / elapsed / 1e12:.0f} TFLOP/s ({hf.num_hidden_layers} layers); "
-              f"{new_segments} cudaMalloc segments")
+              f"{new_segments} new allocator segments ({new_gib:.2f} GiB)")
         if trial == 0 and args.profile_first:
             events = prof.key_averages()
             print("  first trial, top CPU self time:")
