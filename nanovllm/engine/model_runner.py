@@ -13,7 +13,7 @@ from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.tp_workers import WorkerChannel
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
-from nanovllm.utils.context import get_context, reset_context, set_context
+from nanovllm.utils.context import reset_context, set_context
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -258,35 +258,59 @@ class ModelRunner:
         return (self._to_device(np.array(input_ids, dtype=np.int64)),
                 self._to_device(np.concatenate(positions).astype(np.int64)))
 
+    def decode_graph_size(self, batch: int) -> int | None:
+        """The captured graph a decode batch of this size replays (its rows padded), or None: run eagerly."""
+        if self.enforce_eager or batch > self.graph_bs[-1]:
+            return None
+        return next(x for x in self.graph_bs if x >= batch)
+
+    def decode_inputs(self, buffer: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
+        """Views of one flat int32 buffer, as the host fills it and the decode step (or its graph) reads it."""
+        vectors = buffer[: 5 * rows].view(5, rows)
+        return dict(input_ids=vectors[0], positions=vectors[1], slot_mapping=vectors[2], context_lens=vectors[3],
+                    source=vectors[4], block_tables=buffer[5 * rows: (5 + self.max_blocks_per_seq) * rows]
+                    .view(rows, self.max_blocks_per_seq))
+
     def prepare_decode(self, seqs: list[Sequence],
                        previous: "LaunchedStep | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One int32 host buffer, one copy: decode runs every few milliseconds, so per-tensor transfers add up.
+        Under CUDA graphs the copy lands in the graphs' own input buffer, padded to the graph's size, so
+        nothing else is launched before the replay.
 
         A token still PENDING is the previous step's sample, which never left the GPU: it is gathered there.
         """
         n, width = len(seqs), self.max_blocks_per_seq
-        host = np.zeros((5 + width, n), dtype=np.int32)
+        graph_bs = self.decode_graph_size(n)
+        rows = graph_bs or n
+        host = np.zeros((5 + width) * rows, dtype=np.int32)
+        vectors = host[: 5 * rows].reshape(5, rows)  # the layout of decode_inputs
         context_lens = np.fromiter((seq.num_tokens for seq in seqs), np.int32, n)
         last_blocks = np.fromiter((seq.block_table[-1] for seq in seqs), np.int32, n)
-        host[0] = [seq.scheduled_token_ids[0] for seq in seqs]
-        host[1] = context_lens - 1  # the position of the token being fed
-        host[2] = last_blocks * self.block_size + (context_lens - 1) % self.block_size
-        host[3] = context_lens
-        host[4] = -1
-        pending = np.flatnonzero(host[0] == PENDING)
+        vectors[0, :n] = [seq.scheduled_token_ids[0] for seq in seqs]
+        vectors[1, :n] = context_lens - 1  # the position of the token being fed
+        vectors[2] = -1  # padding rows write no KV and (context 0) attend to nothing
+        vectors[2, :n] = last_blocks * self.block_size + (context_lens - 1) % self.block_size
+        vectors[3, :n] = context_lens
+        vectors[4] = -1
+        pending = np.flatnonzero(vectors[0, :n] == PENDING)
         if len(pending):
-            rows = {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
-            host[4, pending] = [rows[seqs[i].seq_id] for i in pending]
+            rows_before = {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
+            vectors[4, pending] = [rows_before[seqs[i].seq_id] for i in pending]
         # full width every step, so a CUDA graph's block-table buffer never keeps a wider step's entries
-        self._fill_block_tables(host[5:].T, seqs)
-        device = self._to_device(host)
-        input_ids = device[0]
+        self._fill_block_tables(host[5 * rows:].reshape(rows, width), seqs)
+        if graph_bs is None:
+            device = self._to_device(host)
+        else:
+            device = self.graph_inputs[: host.size]
+            device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+        inputs = self.decode_inputs(device, rows)
+        input_ids = inputs["input_ids"]
         if len(pending):
-            source = device[4]
-            input_ids = torch.where(source >= 0, previous.token_ids[source.clamp(min=0)].int(), input_ids)
-        set_context(is_prefill=False, slot_mapping=device[2], context_lens=device[3],
-                    block_tables=device[5:].T.contiguous())
-        return input_ids, device[1]
+            source = inputs["source"]
+            torch.where(source >= 0, previous.token_ids[source.clamp(min=0)].int(), input_ids, out=input_ids)
+        set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
+                    block_tables=inputs["block_tables"])
+        return input_ids[:n], inputs["positions"][:n]
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [seq.params for seq in seqs]
@@ -315,21 +339,11 @@ class ModelRunner:
     # --- forward -----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        if is_prefill or self.enforce_eager or input_ids.size(0) > self.graph_bs[-1]:
+        graph_bs = None if is_prefill else self.decode_graph_size(input_ids.size(0))
+        if graph_bs is None:
             return self.model.compute_logits(self.model(input_ids, positions))
-        bs = input_ids.size(0)
-        context = get_context()
-        graph_bs = next(x for x in self.graph_bs if x >= bs)
-        gv = self.graph_vars
-        gv["input_ids"][:bs] = input_ids
-        gv["positions"][:bs] = positions
-        gv["slot_mapping"].fill_(-1)
-        gv["slot_mapping"][:bs] = context.slot_mapping
-        gv["context_lens"].zero_()
-        gv["context_lens"][:bs] = context.context_lens
-        gv["block_tables"][:bs] = context.block_tables
-        self.graphs[graph_bs].replay()
-        return self.model.compute_logits(gv["outputs"][:bs])
+        self.graphs[graph_bs].replay()  # its inputs are in place: prepare_decode copied them there
+        return self.model.compute_logits(self.graph_outputs[: input_ids.size(0)])
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> LaunchedStep:
@@ -363,34 +377,29 @@ class ModelRunner:
     def capture_cudagraph(self) -> None:
         hf = self.config.hf_config
         max_bs = min(self.config.max_num_seqs, 512)
-        ints = dict(dtype=torch.int32, device=self.device)
-        gv = dict(
-            input_ids=torch.zeros(max_bs, **ints),
-            positions=torch.zeros(max_bs, **ints),
-            slot_mapping=torch.full((max_bs,), -1, **ints),
-            context_lens=torch.zeros(max_bs, **ints),
-            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, **ints),
-            outputs=torch.zeros(max_bs, hf.hidden_size, dtype=self.dtype, device=self.device),
-        )
+        self.graph_inputs = torch.zeros((5 + self.max_blocks_per_seq) * max_bs, dtype=torch.int32, device=self.device)
+        self.graph_outputs = torch.zeros(max_bs, hf.hidden_size, dtype=self.dtype, device=self.device)
         self.graph_bs = sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs})
         self.graph_bs = [bs for bs in self.graph_bs if bs <= max_bs]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_pool = None
         for bs in reversed(self.graph_bs):  # largest first, so smaller graphs fit in its pool
             graph = torch.cuda.CUDAGraph()
-            set_context(is_prefill=False, slot_mapping=gv["slot_mapping"][:bs], context_lens=gv["context_lens"][:bs],
-                        block_tables=gv["block_tables"][:bs])
-            gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])  # warm up kernels
+            inputs = self.decode_inputs(self.graph_inputs, bs)
+            self.graph_inputs.zero_()  # every size views the buffer differently: start each from a clean one
+            inputs["slot_mapping"].fill_(-1)  # capture runs the model: write no KV
+            set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
+                        block_tables=inputs["block_tables"])
+            self.graph_outputs[:bs] = self.model(inputs["input_ids"], inputs["positions"])  # warm up kernels
             with torch.cuda.graph(graph, self.graph_pool):
-                gv["outputs"][:bs] = self.model(gv["input_ids"][:bs], gv["positions"][:bs])
+                self.graph_outputs[:bs] = self.model(inputs["input_ids"], inputs["positions"])
             if self.graph_pool is None:
                 self.graph_pool = graph.pool()
             self.graphs[bs] = graph
             torch.cuda.synchronize()
             reset_context()
-        self.graph_vars = gv
         # the LM head runs outside the graphs, and cuBLAS loads a kernel the first time it meets a batch size:
         # meet them all now rather than in the first run
         for bs in range(1, max_bs + 1):
-            self.model.compute_logits(gv["outputs"][:bs])
+            self.model.compute_logits(self.graph_outputs[:bs])
         torch.cuda.synchronize()
