@@ -31,7 +31,7 @@ def _decode_attention(
 ):
     # KV heads vary fastest in the grid: the programs of one sequence's heads start together and read the same
     # cache rows (a token's heads sit side by side), which the HBM serves 1-3% faster than one head of many
-    # sequences (tests/microbench_decode_attention.py, "head-fastest")
+    # sequences (docs/experiments/grid_order_and_pipelined_loop.patch; docs/PERFORMANCE.md)
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
