@@ -111,7 +111,7 @@ def profile_run(llm: LLM, prompts, params) -> None:
     for cls, seconds in sorted(by_class.items(), key=lambda kv: -kv[1]):
         print(f"  gpu  {cls:<32} {seconds:7.2f} s")
     print(f"  gpu  busy {busy:.2f} s, idle {max(wall - busy, 0):.2f} s of {wall:.2f} s")
-    top = sorted(kernels, key=lambda e: -e.device_time_total)[:14]
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:24]
     for e in top:
         print(f"  top  {e.key[:70]:<70} {e.device_time_total / 1e6:6.2f} s  x{e.count}")
 
