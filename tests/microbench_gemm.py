@@ -6,6 +6,7 @@ Weights rotate through enough copies to overflow L2, as in a decode step where ~
 pass between two uses of the same matrix. Timed inside a CUDA graph, as the engine runs decode.
 """
 import argparse
+import functools
 import itertools
 
 import torch
@@ -22,7 +23,8 @@ from cuda_timing import graph_time_us
 
 @triton.jit
 def _skinny_gemm(x_ptr, w_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, x_stride, y_stride, k_per_split,
-                 split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 split_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SWAP: tl.constexpr):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -32,11 +34,19 @@ def _skinny_gemm(x_ptr, w_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, x_stride,
     row_ok, col_ok = rows < M, cols < N
     x_tile = x_ptr + rows[:, None] * x_stride + ks[None, :]
     w_tile = w_ptr + cols[:, None].to(tl.int64) * K + ks[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
-        x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
-        w = tl.load(w_tile + k, mask=col_ok[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP:  # (W x^T)^T: the weight rows fill the MMA's M side, the few token rows its N side
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
+            x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_tile + k, mask=col_ok[:, None], other=0.0)
+            acc_t = tl.dot(w, tl.trans(x), acc_t)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(split * k_per_split, (split + 1) * k_per_split, BLOCK_K):
+            x = tl.load(x_tile + k, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_tile + k, mask=col_ok[:, None], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
     out = y_ptr + rows[:, None] * y_stride + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if split_k == 1:
@@ -74,14 +84,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, counters: torch.Tensor | 
     config = {**default_config(m, n, k), **config}
     block_n, block_k, split_k = config["block_n"], config["block_k"], config["split_k"]
     assert k % (block_k * split_k) == 0, (k, block_k, split_k)
-    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    swap = config.get("swap", False)
+    block_m = config.get("block_m") or min(128, max(16, triton.next_power_of_2(m)))
     grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
     if counters is None:
         counters = torch.zeros(grid[0] * grid[2], dtype=torch.int32, device=x.device)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else x
     out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     _skinny_gemm[grid](x, weight, out, part, counters, m, n, k, x.stride(0), out.stride(0), k // split_k, split_k,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWAP=swap, num_warps=config.get("warps", 4),
                        num_stages=config["num_stages"])
     return out
 
@@ -94,6 +105,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--batches", default="16,64,128,256")
     parser.add_argument("--sweep", action="store_true", help="try every tile config, not just the default choice")
+    parser.add_argument("--swap-sweep", action="store_true", help="sweep the swapped-operand kernel")
     parser.add_argument("--blas", default="cublas", choices=("cublas", "cublaslt"), help="torch's BLAS backend")
     args = parser.parse_args()
     torch.backends.cuda.preferred_blas_library(args.blas)
@@ -112,18 +124,23 @@ def main() -> None:
                                repeat=3)
         expected = F.linear(x, weights[0]).float()
         totals[("cublas", m)] = totals.get(("cublas", m), 0.0) + cublas * (1 if name == "lm_head" else 28)
+        counters = torch.zeros(4096, dtype=torch.int32, device="cuda")  # left at zero by the kernel
         configs = [None]
         if args.sweep and name != "lm_head":
             configs = list(itertools.product((32, 64, 128), (64, 128), (1, 2, 4, 8), (4,)))
+        if args.swap_sweep and name != "lm_head":
+            configs = [(bn, bk, sk, 3, swap, bm) for bn, bk, sk, swap, bm in itertools.product(
+                (64, 128), (128, 256), (1, 2, 4, 8, 16), (False, True), (16, 64)) if bm <= max(16, m)]
         best = (float("inf"), None, 0.0)
         for config in configs:
-            options = {} if config is None else dict(zip(("block_n", "block_k", "split_k", "num_stages"), config))
+            options = {} if config is None else dict(zip(("block_n", "block_k", "split_k", "num_stages", "swap",
+                                                          "block_m"), config))
             if options and (k % (options["block_k"] * options["split_k"]) or n < options["block_n"]):
                 continue
             try:
-                diff = (skinny_gemm(x, weights[0], **options).float() - expected).abs().max().item()
-                us = graph_time_us([lambda w=w, x=x, options=options: skinny_gemm(x, w, **options) for w in weights],
-                                   repeat=3)
+                diff = (skinny_gemm(x, weights[0], counters, **options).float() - expected).abs().max().item()
+                calls = [functools.partial(skinny_gemm, x, w, counters, o, **options) for w, o in zip(weights, outs)]
+                us = graph_time_us(calls, repeat=3)
             except Exception as exc:  # noqa: BLE001 - a config may not fit; report and go on
                 print(f"| {name} | {m} | config {options} failed: {type(exc).__name__} |")
                 continue
