@@ -113,12 +113,15 @@ def profile_run(llm: LLM, prompts, params) -> None:
     print(f"  gpu  busy {busy:.2f} s, idle {max(wall - busy, 0):.2f} s of {wall:.2f} s")
     # idle time by the length of the gap before each kernel: ~1 us gaps are launch latency between kernels of
     # a graph; long ones are the GPU waiting for the host
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
+    gaps = [(b[0] - a[1], a, b) for a, b in zip(spans, spans[1:]) if b[0] > a[1]]
     for low, high in ((0, 2), (2, 5), (5, 20), (20, 100), (100, float("inf"))):
-        inside = [g for g in gaps if low <= g < high]
+        inside = [g for g, _, _ in gaps if low <= g < high]
         print(f"  idle gaps {low:>3}-{high:<4} us: {len(inside):7d} gaps, {sum(inside) / 1e6:5.2f} s")
+    for gap, before, after in sorted(gaps, key=lambda g: -g[0])[:10]:
+        print(f"  long gap {gap / 1e3:6.2f} ms at {(before[1] - spans[0][0]) / 1e6:5.2f} s: "
+              f"{before[2][:30]} -> {after[2][:30]}")
     top = sorted(kernels, key=lambda e: -e.device_time_total)[:24]
     for e in top:
         print(f"  top  {e.key[:70]:<70} {e.device_time_total / 1e6:6.2f} s  x{e.count}")
