@@ -209,11 +209,12 @@ class ModelRunner:
             module.split_counters = counters
 
     # --- per-step input preparation ----------------------------------------------------------------------
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+    def _pinned(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
-        if self.use_cuda:
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return tensor.pin_memory() if self.use_cuda else tensor
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return self._pinned(array).to(self.device, non_blocking=True)
 
     @staticmethod
     def _fill_block_tables(table: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
@@ -302,7 +303,7 @@ class ModelRunner:
             device = self._to_device(host)
         else:
             device = self.graph_inputs[: host.size]
-            device.copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
+            device.copy_(self._pinned(host), non_blocking=True)
         inputs = self.decode_inputs(device, rows)
         input_ids = inputs["input_ids"]
         if len(pending):
