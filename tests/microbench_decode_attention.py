@@ -27,6 +27,40 @@ def _read_all(x_ptr, out_ptr, per_program, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
+@triton.jit
+def _paged_read(k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, split_len, bt_stride,
+                cache_block_stride, cache_token_stride, cache_head_stride,
+                HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # decode attention's memory traffic alone: the same grid, pages and chunks, with a sum in place of the math
+    kv_head, seq, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    for first in range(start, end, BLOCK_N):
+        page = tl.load(block_tables_ptr + seq * bt_stride + first // PAGE).to(tl.int64)
+        tokens = first + tl.arange(0, BLOCK_N)
+        valid = tokens < end
+        offsets = (page * cache_block_stride + (tokens % PAGE)[:, None] * cache_token_stride
+                   + kv_head * cache_head_stride + dims[None, :])
+        acc += tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        acc += tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + (seq * tl.num_programs(0) + kv_head) * tl.num_programs(2) + split, tl.sum(acc))
+
+
+def paged_read_us(k_cache, v_cache, block_tables, context_lens, splits: int, block_n: int = 64,
+                  warps: int = 4) -> float:
+    batch, (_, page, kv_heads, head_dim) = context_lens.numel(), k_cache.shape
+    split_len = triton.cdiv(triton.cdiv(block_tables.size(1) * page, splits), block_n) * block_n
+    num_splits = triton.cdiv(block_tables.size(1) * page, split_len)
+    out = torch.empty(batch * kv_heads * num_splits, dtype=torch.float32, device=k_cache.device)
+    call = functools.partial(_paged_read[(kv_heads, batch, num_splits)], k_cache, v_cache, block_tables,
+                             context_lens, out, split_len, block_tables.stride(0), *k_cache.stride()[:3],
+                             HEAD_DIM=head_dim, PAGE=page, BLOCK_N=block_n, num_warps=warps)
+    return graph_time_us([call], repeat=50)
+
+
 def streaming_read_ceiling() -> None:
     """HBM read bandwidth with no paging, no scattering and no arithmetic to speak of."""
     x = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB, 40x the L2
@@ -53,6 +87,7 @@ def main() -> None:
     parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--paged-read", action="store_true", help="time the kernel's K/V reads without its math")
     parser.add_argument("--ceiling", action="store_true", help="only time a plain streaming read of HBM")
     args = parser.parse_args()
     if args.ceiling:
@@ -84,6 +119,18 @@ def main() -> None:
     for splits in (0, 1, 2, 4, 8):
         ms = graph_time_us([functools.partial(flash, splits)], repeat=50) / 1e3
         print(f"| flash-attn num_splits={splits} | {ms * 1e3:.1f} | {gbytes / ms * 1e3:.0f} | - |")
+    if args.paged_read:  # the same traffic without the attention math: how much of the gap is the math?
+        from nanovllm.layers.paged_decode import default_max_splits
+        splits = default_max_splits(args.batch, args.kv_heads)
+        ours = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                 counters)
+        us = graph_time_us([ours], repeat=50)
+        print(f"| attention, {splits} slices | {us:.1f} | {gbytes / us * 1e6:.0f} | - |")
+        for block_n, warps in ((64, 4), (64, 8), (128, 8)):
+            us = paged_read_us(k_cache, v_cache, block_tables, context_lens, splits, block_n, warps)
+            name = f"paged read only, {splits} slices, n={block_n} w={warps}"
+            print(f"| {name} | {us:.1f} | {gbytes / us * 1e6:.0f} | - |")
+        return
     configs = [(64, 4, 2, None)]  # the defaults
     if args.sweep:
         configs = list(itertools.product((32, 64, 128), (4,), (2,), (4, 8, 16, 32, 64)))
