@@ -1,4 +1,4 @@
-"""Timing for the microbenchmarks in this folder."""
+"""Timing for the microbenchmarks in this folder (imported as `cuda_timing` by the scripts next to it)."""
 from collections.abc import Callable
 
 import torch

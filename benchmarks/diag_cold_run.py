@@ -1,6 +1,6 @@
 """What does the first run in a process do that later runs do not? (docs/PERFORMANCE.md, "The cold run")
 
-    python tests/diag_cold_run.py
+    python benchmarks/diag_cold_run.py
 
 Runs bench.py's default workload three times in one process with torch.compile's recompile log on and a hook
 that prints every Triton kernel compiled, times each engine step, then lists the steps of run 1 that took

@@ -1,6 +1,6 @@
 """Decode-step matmuls alone, on the GPU: cuBLAS (F.linear) against a split-K Triton kernel, per shape and batch.
 
-    python tests/microbench_gemm.py [--hidden 1024 --intermediate 3072 --heads 16 --kv-heads 8]
+    python benchmarks/microbench_gemm.py [--hidden 1024 --intermediate 3072 --heads 16 --kv-heads 8]
 
 Weights rotate through enough copies to overflow L2, as in a decode step where ~1 GB of other weights and KV
 pass between two uses of the same matrix. Timed inside a CUDA graph, as the engine runs decode.
@@ -65,7 +65,7 @@ def _skinny_gemm(x_ptr, w_ptr, y_ptr, part_ptr, counters_ptr, M, N, K, x_stride,
 
 
 def default_config(m: int, n: int, k: int) -> dict:
-    """Tile sizes and K split for an (m x k) @ (k x n) product; from tests/microbench_gemm.py --sweep."""
+    """Tile sizes and K split for an (m x k) @ (k x n) product; from benchmarks/microbench_gemm.py --sweep."""
     block_n = 64
     split_k = 1
     while split_k < 8 and triton.cdiv(n, block_n) * split_k < 256 and k % (128 * split_k * 2) == 0:

@@ -1,6 +1,6 @@
 """The temperature-only sampler alone, on the GPU: compiled torch Gumbel-max against the Triton kernel.
 
-    python tests/microbench_sampler.py
+    python benchmarks/microbench_sampler.py
 
 bf16 logits over Qwen3's 151,936-token vocabulary, as the LM head hands them over; timed with CUDA events
 over repeated calls (the sampler runs outside the CUDA graphs, as here).

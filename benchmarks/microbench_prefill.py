@@ -1,8 +1,8 @@
 """Prefill alone: how fast does the engine turn prompts into KV cache, and which kernels take the time?
 
-    python tests/microbench_prefill.py [--num-seqs 256]
+    python benchmarks/microbench_prefill.py [--num-seqs 256]
 
-bench.py's cold run spends ~0.3 s more than a warm run, all in prefill steps (tests/diag_cold_run.py): the
+bench.py's cold run spends ~0.3 s more than a warm run, all in prefill steps (benchmarks/diag_cold_run.py): the
 prompts that later runs find in the prefix cache. This runs bench.py's prompt lengths with one output token
 each, fresh prompts every trial (so nothing is cached), and reports tokens/s and matmul TFLOP/s, then profiles
 one trial by kernel.

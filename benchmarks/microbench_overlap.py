@@ -1,6 +1,6 @@
 """Would two half-batches on two streams hide the decode matmuls behind attention? The decoder stack alone.
 
-    python tests/microbench_overlap.py [--batch 256 --min-context 200 --max-context 1100]
+    python benchmarks/microbench_overlap.py [--batch 256 --min-context 200 --max-context 1100]
 
 Decode attention is bound by HBM bandwidth while the matmuls are bound by a fixed cost per kernel (about 5-8 us
 whatever the batch; docs/PERFORMANCE.md), so one half-batch's matmuls might run beside the other half's

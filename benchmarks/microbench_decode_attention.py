@@ -1,6 +1,6 @@
 """Decode attention alone, on the GPU: flash-attn's paged kernel against ours, as effective HBM bandwidth.
 
-    python tests/microbench_decode_attention.py [--heads 16 --kv-heads 8]
+    python benchmarks/microbench_decode_attention.py [--heads 16 --kv-heads 8]
 
 The batch mimics the middle of bench.py's run: 256 sequences, contexts uniform in [100, 2048], 256-token pages
 scattered over the cache, a full-width block table (as the CUDA graphs see it).
