@@ -2,12 +2,15 @@
 
     python bench.py                      # Qwen3-0.6B shape with random weights, written on first use
     python bench.py --runs 4             # first run is "cold", the median of the others "warm"
+
+Every run after the first (the profiled one included) gets new random token ids of the same prompt lengths and
+the same output lengths: the same work, and nothing for the prefix cache to find from an earlier run.
 """
 import argparse
 import statistics
 import time
 from datetime import date
-from random import randint, seed
+from random import Random, randint, seed
 
 import torch
 
@@ -47,16 +50,20 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"device: {device}, date: {date.today()}, model: {path}, startup: {startup:.1f} s, "
           f"KV blocks: {llm.model_runner.num_kvcache_blocks}")
+    if args.runs > 1 or args.profile:
+        print("runs after the first use fresh random token ids (same prompt and output lengths), "
+              "so they get no prefix-cache hits from earlier runs")
     times = []
     for run in range(args.runs):
+        batch = prompts if run == 0 else fresh_token_ids(prompts, max_id, run)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         total = sum(len(o["token_ids"]) for o in outputs)
         times.append(elapsed)
         print(f"run {run + 1}: Total: {total} tok, Time: {elapsed:.2f} s, Throughput: {total / elapsed:.0f} tok/s")
     if args.profile:
-        profile_run(llm, prompts, params)
+        profile_run(llm, fresh_token_ids(prompts, max_id, args.runs), params)
     if torch.cuda.is_available():
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     cold = times[0]
@@ -66,6 +73,12 @@ def main() -> None:
         print(f"Total: {total} tok, Time: {warm:.2f} s, Throughput: {total / warm:.0f} tok/s  "
               f"(warm: median of runs 2..{len(times)})")
     llm.exit()
+
+
+def fresh_token_ids(prompts: list[list[int]], max_id: int, run: int) -> list[list[int]]:
+    """New random token ids of the same lengths as `prompts`, drawn from a generator seeded by the run index."""
+    rng = Random(1000 + run)
+    return [[rng.randint(0, max_id) for _ in prompt] for prompt in prompts]
 
 
 KERNEL_CLASSES = [("attention", ("flash", "decode_attention")), ("kv-store", ("store_kvcache",)),
