@@ -1,4 +1,4 @@
-"""What does the first run in a process do that later runs do not? (docs/PERFORMANCE.md, "The cold run")
+"""What does the first run in a process do that later runs do not? (docs/PERFORMANCE.md)
 
     python benchmarks/diag_cold_run.py
 

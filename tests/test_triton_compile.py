@@ -1,7 +1,7 @@
 """Every Triton kernel compiled for an H100/H200 (sm_90), on any machine: Triton's CPU interpreter, which the
 other CPU tests use, accepts some programs the real compiler rejects (e.g. a variable of two shapes in the two
 branches of an if), so this catches them before a GPU run does. It runs in a fresh interpreter because the
-test session has switched Triton to interpreting."""
+test run has switched Triton to interpreting."""
 import os
 import subprocess
 import sys
