@@ -3,6 +3,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.context import get_context
+from nanovllm.utils.loader import check_shape
 from nanovllm.utils.parallel import TensorParallelGroup
 
 
@@ -13,6 +14,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp = tp
         self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_rank = (num_embeddings + self.tp_size - 1) // self.tp_size
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = min(self.vocab_start + self.num_embeddings_per_rank, num_embeddings)
@@ -20,6 +22,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        # slicing rows would silently truncate a larger table or leave a smaller one's missing rows zero
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim),
+                    f" (vocab_size={self.num_embeddings} by hidden_size={self.embedding_dim} from the model config)")
         rows = loaded[self.vocab_start:self.vocab_end]
         param.data.zero_()
         param.data[: rows.size(0)].copy_(rows)
@@ -40,7 +45,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorParallelGroup) -> None:
         super().__init__(num_embeddings, embedding_dim, tp)
-        self.num_embeddings = num_embeddings
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         context = get_context()

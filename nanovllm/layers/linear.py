@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.utils.loader import check_shape, default_weight_loader
 from nanovllm.utils.parallel import TensorParallelGroup
 
 
@@ -20,7 +21,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        # every rank is handed the full checkpoint tensor and keeps its rows
         shard = param.size(0)
+        check_shape(loaded, (shard * self.tp_size, *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -35,6 +38,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), tp, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -54,6 +58,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size = self.num_heads * self.head_dim // self.tp_size
         kv_size = self.num_kv_heads * self.head_dim // self.tp_size
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        check_shape(loaded, (size * self.tp_size, *param.shape[1:]))
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
 
 
@@ -70,10 +75,11 @@ class RowParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = lambda param, loaded: param.data.copy_(loaded)
+            self.bias.weight_loader = default_weight_loader  # not split: every rank holds all of it
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         shard = param.size(1)
+        check_shape(loaded, (param.size(0), shard * self.tp_size))
         param.data.copy_(loaded.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
