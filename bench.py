@@ -99,8 +99,9 @@ def profile_run(llm: LLM, prompts, params) -> None:
         setattr(obj, name, wrapper)
 
     runner, scheduler = llm.model_runner, llm.scheduler
-    for obj, name in [(scheduler, "schedule"), (scheduler, "postprocess"), (runner, "prepare_prefill"),
-                      (runner, "prepare_decode"), (runner, "run_model"), (runner.sampler, "forward")]:
+    for obj, name in [(scheduler, "schedule"), (scheduler, "postprocess"), (runner.inputs, "prefill"),
+                      (runner.inputs, "decode"), (runner.sampler, "prepare"), (runner, "launch"),
+                      (runner.sampler, "forward")]:
         labelled(obj, name, f"phase:{type(obj).__name__}.{name}")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     start = time.perf_counter()

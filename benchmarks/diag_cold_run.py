@@ -46,11 +46,11 @@ def main() -> None:
 
         setattr(obj, name, wrapper)
 
-    from nanovllm.engine.model_runner import LaunchedStep
+    from nanovllm.engine.step import Step
     runner = llm.model_runner
-    for obj, name in ((llm.scheduler, "schedule"), (llm.scheduler, "postprocess"), (runner, "prepare_prefill"),
-                      (runner, "prepare_decode"), (runner, "run_model"), (runner.sampler, "forward"),
-                      (LaunchedStep, "result")):
+    for obj, name in ((llm.scheduler, "schedule"), (llm.scheduler, "postprocess"), (runner.inputs, "prefill"),
+                      (runner.inputs, "decode"), (runner.sampler, "prepare"), (runner, "launch"),
+                      (runner.sampler, "forward"), (Step, "result")):
         timed(obj, name, f"{getattr(obj, '__name__', type(obj).__name__)}.{name}")
     step, log = llm.step, []
 

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from cuda_timing import graph_time_us
 
-from nanovllm.layers.paged_decode import paged_decode_attention
+from nanovllm.attention.paged_decode import paged_decode_attention
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def main() -> None:
         ms = graph_time_us([functools.partial(flash, splits)], repeat=50) / 1e3
         print(f"| flash-attn num_splits={splits} | {ms * 1e3:.1f} | {gbytes / ms * 1e3:.0f} | - |")
     if args.paged_read:  # the same traffic without the attention math: how much of the gap is the math?
-        from nanovllm.layers.paged_decode import default_max_splits
+        from nanovllm.attention.paged_decode import default_max_splits
         splits = default_max_splits(args.batch, args.kv_heads)
         ours = functools.partial(paged_decode_attention, q, k_cache, v_cache, block_tables, context_lens, scale,
                                  counters)

@@ -4,6 +4,8 @@ from dataclasses import dataclass, field, fields
 
 from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.attention import BACKEND_NAMES
+
 
 @dataclass(slots=True)
 class Config:
@@ -18,6 +20,8 @@ class Config:
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
+    attention_backend: str | None = None  # None: the fastest for the device; see nanovllm.attention
+    async_scheduling: bool = True  # launch step n+1 before reading step n's tokens back
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
@@ -35,7 +39,13 @@ class Config:
         if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, "
                              f"got {self.num_kvcache_blocks}")
+        if self.attention_backend not in (None, *BACKEND_NAMES):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is unknown; choose one of "
+                             f"{BACKEND_NAMES} or None (the fastest for the device)")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        check_model_config(self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(self.hf_config, name)
@@ -71,3 +81,26 @@ def _eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
         elif isinstance(value, list):
             ids.update(value)
     return tuple(sorted(ids))
+
+
+def check_model_config(hf_config: PretrainedConfig) -> None:
+    """Refuse a model config no model can be built from, naming the field, before any weight is read.
+
+    Otherwise a zero size builds empty layers that load and generate nothing useful, or fails much later with a
+    message about something else (max_position_embeddings=0 became "KV cache budget holds no block")."""
+    sizes = ["hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+             "vocab_size", "max_position_embeddings"]
+    if getattr(hf_config, "head_dim", None) is not None:  # optional: hidden_size // num_attention_heads otherwise
+        sizes.append("head_dim")
+    for name in sizes:
+        value = getattr(hf_config, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"model config {name}={value!r} is impossible: it must be a positive integer")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % kv_heads != 0:
+        raise ValueError(f"model config num_attention_heads={heads} must be a multiple of "
+                         f"num_key_value_heads={kv_heads}: each key/value head serves a whole group of query heads")
+    eps = getattr(hf_config, "rms_norm_eps", None)
+    # written so NaN fails too
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
+        raise ValueError(f"model config rms_norm_eps={eps!r} is impossible: it must be a positive number")

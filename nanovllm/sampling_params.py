@@ -30,7 +30,6 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
-    is_plain: bool = field(init=False, repr=False, default=True)  # temperature is all the sampler must apply
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,8 +47,6 @@ class SamplingParams:
                "non-negative integers")
         _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
                "None or an integer >= 0")
-        self.is_plain = (self.top_k <= 0 and self.top_p == 1.0 and self.min_p == 0.0 and self.min_tokens == 0
-                         and (self.seed is None or self.temperature == 0) and self.logprobs is None)
 
     @property
     def is_greedy(self) -> bool:

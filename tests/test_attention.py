@@ -2,8 +2,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.attention import Attention, store_kvcache, store_kvcache_torch
-from nanovllm.layers.paged_decode import paged_decode_attention
+from nanovllm.attention import LayerKV, make_attention_backend
+from nanovllm.attention.flash_attn_backend import store_kvcache
+from nanovllm.attention.paged_decode import paged_decode_attention
+from nanovllm.attention.torch_backend import TorchBackend, store_kvcache_torch
+from nanovllm.attention.triton_backend import TritonBackend
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import get_context, reset_context, set_context
 
 BS, H, KV_H, D = 16, 4, 2, 32
@@ -19,8 +24,8 @@ def test_store_kvcache_kernel_matches_torch(num_kv_heads, head_dim):
     v = qkv[:, 2 * num_kv_heads * head_dim:].view(num_tokens, num_kv_heads, head_dim)
     slots = torch.tensor([5, 0, -1, 63, 17, 18, -1, 40, 1])
     caches = [torch.zeros(num_slots // BS, BS, num_kv_heads, head_dim) for _ in range(4)]
-    store_kvcache(k, v, caches[0], caches[1], slots)
-    store_kvcache_torch(k, v, caches[2], caches[3], slots)
+    store_kvcache(k, v, LayerKV(caches[0], caches[1]), slots)
+    store_kvcache_torch(k, v, LayerKV(caches[2], caches[3]), slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     assert caches[0].view(-1, num_kv_heads, head_dim)[63].equal(k[3])
     assert caches[0].abs().sum() > 0
@@ -36,10 +41,18 @@ def dense_causal(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores.masked_fill(~mask, float("-inf")), -1), v)
 
 
+def attend(backend, cache, q, k, v):
+    """What a layer does after RoPE: this step's K/V into the cache, then prefill or decode attention."""
+    context = get_context()
+    backend.store(k, v, cache, context.slot_mapping)
+    if context.is_prefill:
+        return backend.prefill(q, k, v, cache, context, D ** -0.5)
+    return backend.decode(q, cache, context, D ** -0.5)
+
+
 def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
     torch.manual_seed(0)
-    attn = Attention(H, D, D ** -0.5, KV_H)
-    attn.k_cache, attn.v_cache = torch.zeros(2, 8, BS, KV_H, D)
+    backend, cache = TorchBackend(), LayerKV(*torch.zeros(2, 8, BS, KV_H, D))
     lengths = [40, 21]  # the first sequence has two cached blocks
     tables = [[5, 2, 7], [1, 6]]
     keys = [torch.randn(n, KV_H, D) for n in lengths]
@@ -50,7 +63,7 @@ def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
         return [table[p // BS] * BS + p % BS for p in range(start, end)]
 
     # the cached prefix is already in its blocks
-    store_kvcache_torch(keys[0][:32], values[0][:32], attn.k_cache, attn.v_cache, torch.tensor(slots(tables[0], 0, 32)))
+    store_kvcache_torch(keys[0][:32], values[0][:32], cache, torch.tensor(slots(tables[0], 0, 32)))
     q = torch.cat([queries[0][32:], queries[1]])
     k = torch.cat([keys[0][32:], keys[1]])
     v = torch.cat([values[0][32:], values[1]])
@@ -58,7 +71,7 @@ def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
                 max_seqlen_q=21, max_seqlen_k=40,
                 slot_mapping=torch.tensor(slots(tables[0], 32, 40) + slots(tables[1], 0, 21)),
                 block_tables=torch.tensor([[5, 2, 7], [1, 6, 0]]))
-    out = attn(q, k, v)
+    out = attend(backend, cache, q, k, v)
     reset_context()
     expected = torch.cat([dense_causal(queries[0][32:], keys[0], values[0], D ** -0.5),
                           dense_causal(queries[1], keys[1], values[1], D ** -0.5)])
@@ -68,7 +81,7 @@ def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
     new_q, new_k, new_v = torch.randn(2, H, D), torch.randn(2, KV_H, D), torch.randn(2, KV_H, D)
     set_context(is_prefill=False, slot_mapping=torch.tensor([slots(tables[0], 40, 41)[0], slots(tables[1], 21, 22)[0]]),
                 context_lens=torch.tensor([41, 22]), block_tables=torch.tensor([[5, 2, 7], [1, 6, 0]]))
-    out = attn(new_q, new_k, new_v)
+    out = attend(backend, cache, new_q, new_k, new_v)
     reset_context()
     for i in range(2):
         expected = dense_causal(new_q[i:i + 1], torch.cat([keys[i], new_k[i:i + 1]]),
@@ -93,10 +106,8 @@ def _decode_case(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: 
 def test_triton_decode_kernel_matches_torch_paged_attention(num_heads, num_kv_heads, page):
     q, k_cache, v_cache, block_tables, context_lens = _decode_case("cpu", torch.float32, num_heads, num_kv_heads, page)
     scale = q.size(-1) ** -0.5
-    attn = Attention(num_heads, q.size(-1), scale, num_kv_heads)
-    attn.k_cache, attn.v_cache = k_cache, v_cache
     set_context(is_prefill=False, slot_mapping=None, context_lens=context_lens[:3], block_tables=block_tables[:3])
-    expected = attn._torch_attention(q[:3], None, None, get_context())
+    expected = TorchBackend().decode(q[:3], LayerKV(k_cache, v_cache), get_context(), scale)
     reset_context()
     # the default (many one-chunk slices) and few long slices (the online softmax runs over many chunks)
     counters = torch.zeros(4 * num_kv_heads, dtype=torch.int32)
@@ -118,3 +129,35 @@ def test_triton_decode_kernel_matches_flash_attn_on_gpu():
                                        block_table=block_tables[:3], softmax_scale=scale, causal=True).squeeze(1)
     # both accumulate in float32 and round once to bf16; only the order of the sums differs
     assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
+
+
+def test_backends_write_the_same_cache_and_rotate_the_same_way():
+    """The Triton backend's fused q/k-norm + RoPE + KV write equals the plain path (norms, RoPE, then a store)."""
+    torch.manual_seed(0)
+    num_tokens, head_dim = 6, 64
+    q, k, v = torch.randn(num_tokens, H, head_dim), torch.randn(num_tokens, KV_H, head_dim), torch.randn(
+        num_tokens, KV_H, head_dim)
+    positions = torch.tensor([0, 1, 2, 40, 41, 7])
+    slots = torch.tensor([3, 4, -1, 60, 61, 17])
+    rope = RotaryEmbedding(head_dim, 128, 10000.0)
+    norms = (RMSNorm(head_dim), RMSNorm(head_dim))
+    for norm in norms:
+        norm.weight.data.uniform_(0.5, 1.5)
+    results = []
+    for backend in (TorchBackend(), TritonBackend()):
+        cache = LayerKV(torch.zeros(4, BS, KV_H, head_dim), torch.zeros(4, BS, KV_H, head_dim))
+        results.append((*backend.rope_and_store(positions, q, k, v, rope, norms, cache, slots), cache))
+    (q0, k0, c0), (q1, k1, c1) = results
+    torch.testing.assert_close(q1, q0)
+    torch.testing.assert_close(k1, k0)
+    torch.testing.assert_close(c1.k, c0.k)
+    assert torch.equal(c1.v, c0.v) and c0.k.view(-1, KV_H, head_dim)[60].abs().sum() > 0
+
+
+def test_backend_choice_is_checked():
+    assert make_attention_backend(None, use_cuda=False).name == "torch"
+    assert make_attention_backend(None, use_cuda=True).name == "triton"
+    with pytest.raises(ValueError, match="attention_backend='flash_attn' does not run with no CUDA device"):
+        make_attention_backend("flash_attn", use_cuda=False)
+    with pytest.raises(ValueError, match="unknown"):
+        make_attention_backend("xformers", use_cuda=True)

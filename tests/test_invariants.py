@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from nanovllm.engine.block_manager import chained_hash
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.engine.step import Step
 from nanovllm.sampling_params import SamplingParams
 
 BS, NUM_BLOCKS, EOS = 16, 14, 0
@@ -81,13 +82,14 @@ def test_random_walk_keeps_every_invariant():
 
     def launch(seqs, is_prefill):
         simulate_step(cache, seqs, is_prefill, oracle)
-        spans = s.advance(seqs)
+        launched = Step.of(seqs, is_prefill)
+        s.advance(launched)
         # EOS now and then; otherwise tokens from a small alphabet, so decoded blocks repeat and get shared
         tokens = [EOS if rng.random() < 0.03 else rng.randrange(1, 4) for _ in seqs]
-        for seq, (_, end), token in zip(seqs, spans, tokens):
+        for seq, (_, end), token in zip(seqs, launched.spans, tokens):
             if end < len(seq) and seq.token_ids[end] == PENDING:
                 oracle[(seq.seq_id, end)] = token
-        return seqs, spans, tokens
+        return launched, tokens
 
     def step() -> None:
         nonlocal pending, live

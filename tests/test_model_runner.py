@@ -1,21 +1,18 @@
-"""ModelRunner's decode inputs: the one flat int32 buffer a decode step reads, padded to the CUDA graph's size.
+"""Decode inputs: the one flat int32 buffer a decode step reads, padded to the CUDA graph's size.
 
-The CPU runs eagerly, so the graph path is exercised by pretending graphs exist (their input buffer on the CPU):
-what prepare_decode writes there is exactly what a captured graph would read on the GPU.
+The CPU runs eagerly, so the graph path is exercised by handing InputBuilder.decode a buffer on the CPU, as the
+graph runner does on the GPU: what it writes there is exactly what a captured graph would read.
 """
-import pytest
 import torch
 
-from nanovllm import LLM
-from nanovllm.engine.model_runner import LaunchedStep
+from nanovllm.engine.cuda_graphs import CUDAGraphs
+from nanovllm.engine.model_inputs import InputBuilder, decode_views
 from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.engine.step import Step
 from nanovllm.utils.context import get_context, reset_context
 
-
-@pytest.fixture(scope="module")
-def runner(tiny_model):
-    with LLM(tiny_model, num_kvcache_blocks=12, max_model_len=1024) as engine:
-        yield engine.model_runner
+WIDTH = 4  # max_model_len 1024 in blocks of 256
+builder = InputBuilder(256, WIDTH, torch.device("cpu"))
 
 
 def decoding(tokens: list[int], block_table: list[int]) -> Sequence:
@@ -25,9 +22,9 @@ def decoding(tokens: list[int], block_table: list[int]) -> Sequence:
     return seq
 
 
-def batch_with_a_pending_token() -> tuple[list[Sequence], LaunchedStep]:
+def batch_with_a_pending_token() -> tuple[list[Sequence], Step]:
     waiting_for_token = decoding(list(range(10)) + [PENDING], [7])
-    previous = LaunchedStep([decoding([5, 6], [9]), waiting_for_token], torch.tensor([11, 22]))
+    previous = Step([decoding([5, 6], [9]), waiting_for_token], False, token_ids=torch.tensor([11, 22]))
     return [decoding(list(range(300)), [3, 5]), waiting_for_token, decoding(list(range(257)), [1, 2])], previous
 
 
@@ -35,9 +32,9 @@ EXPECTED = dict(input_ids=[299, 22, 256], positions=[299, 10, 256], slot_mapping
                 context_lens=[300, 11, 257], block_tables=[[3, 5, 0, 0], [7, 0, 0, 0], [1, 2, 0, 0]])
 
 
-def test_eager_decode_inputs(runner):
+def test_eager_decode_inputs():
     seqs, previous = batch_with_a_pending_token()
-    input_ids, positions = runner.prepare_decode(seqs, previous)
+    input_ids, positions = builder.decode(seqs, previous, rows=len(seqs))
     context = get_context()
     reset_context()
     assert input_ids.tolist() == EXPECTED["input_ids"]  # the PENDING token came from the previous step's row 1
@@ -47,18 +44,16 @@ def test_eager_decode_inputs(runner):
     assert context.block_tables.tolist() == EXPECTED["block_tables"]
 
 
-def test_graph_decode_inputs_land_in_the_graph_buffer_padded(runner, monkeypatch):
-    width = runner.max_blocks_per_seq
-    buffer = torch.full(((5 + width) * 8,), 77, dtype=torch.int32)  # stale values from a wider earlier step
-    monkeypatch.setattr(runner, "enforce_eager", False)
-    monkeypatch.setattr(runner, "graph_bs", [1, 2, 4, 8], raising=False)
-    monkeypatch.setattr(runner, "graph_inputs", buffer, raising=False)
+def test_graph_decode_inputs_land_in_the_graph_buffer_padded():
+    buffer = torch.full(((5 + WIDTH) * 8,), 77, dtype=torch.int32)  # stale values from a wider earlier step
+    graphs = CUDAGraphs.__new__(CUDAGraphs)  # its size rule, without capturing (no GPU here)
+    graphs.sizes = [1, 2, 4, 8]
+    assert graphs.size_for(3) == 4 and graphs.size_for(9) is None
     seqs, previous = batch_with_a_pending_token()
-    assert runner.decode_graph_size(3) == 4 and runner.decode_graph_size(9) is None
-    input_ids, positions = runner.prepare_decode(seqs, previous)
+    input_ids, positions = builder.decode(seqs, previous, rows=4, graph_buffer=buffer)
     context = get_context()
     reset_context()
-    inputs = runner.decode_inputs(buffer, 4)  # the views the 4-row graph was captured on
+    inputs = decode_views(buffer, 4, WIDTH)  # the views the 4-row graph was captured on
     assert input_ids.data_ptr() == inputs["input_ids"].data_ptr() and len(input_ids) == 3
     assert context.block_tables.data_ptr() == inputs["block_tables"].data_ptr()
     # the fourth row pads the batch: it writes no KV (slot -1) and attends to nothing (context 0)
@@ -66,5 +61,5 @@ def test_graph_decode_inputs_land_in_the_graph_buffer_padded(runner, monkeypatch
     assert inputs["positions"].tolist() == EXPECTED["positions"] + [0]
     assert inputs["slot_mapping"].tolist() == EXPECTED["slot_mapping"] + [-1]
     assert inputs["context_lens"].tolist() == EXPECTED["context_lens"] + [0]
-    assert inputs["block_tables"].tolist() == EXPECTED["block_tables"] + [[0] * width]
+    assert inputs["block_tables"].tolist() == EXPECTED["block_tables"] + [[0] * WIDTH]
     assert positions.tolist() == EXPECTED["positions"]

@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
+from nanovllm.engine.step import Step
 from nanovllm.sampling_params import SamplingParams
 
 BS = 16
@@ -19,9 +20,16 @@ def make_seq(n: int, token: int = 1, max_tokens: int = 64, ignore_eos: bool = Fa
     return Sequence([token] * n, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos), BS)
 
 
+def launch(s: Scheduler, seqs: list[Sequence], is_prefill: bool = False) -> Step:
+    """What the engine does around a launch: the step object, then the scheduler's accounting."""
+    launched = Step.of(seqs, is_prefill)
+    s.advance(launched)
+    return launched
+
+
 def step(s: Scheduler, token: int = 7) -> tuple[list[Sequence], bool]:
     seqs, is_prefill = s.schedule()
-    s.postprocess(seqs, s.advance(seqs), [token] * len(seqs))
+    s.postprocess(launch(s, seqs, is_prefill), [token] * len(seqs))
     return seqs, is_prefill
 
 
@@ -127,7 +135,7 @@ def test_chunked_prefill_spans_steps_and_samples_only_at_the_end():
         batch, is_prefill = s.schedule()
         assert is_prefill and batch == [seq]
         chunks.append(seq.num_scheduled_tokens)
-        s.postprocess(batch, s.advance(batch), [7])
+        s.postprocess(launch(s, batch, True), [7])
     assert chunks == [32, 32, 16]
     assert seq.token_ids[-1] == 7 and len(seq) == 81 and seq.status == SequenceStatus.RUNNING
 
@@ -175,7 +183,7 @@ def test_finish_on_eos_max_tokens_and_max_model_len():
     for seq in (eos, capped, long):
         s.add(seq)
     seqs, _ = s.schedule()
-    s.postprocess(seqs, s.advance(seqs), [EOS, 5, 5])
+    s.postprocess(launch(s, seqs), [EOS, 5, 5])
     assert eos.finish_reason == "stop" and eos.completion_token_ids == [EOS]
     run_to_end(s)
     assert capped.finish_reason == "length" and len(capped.completion_token_ids) == 3
@@ -209,16 +217,16 @@ def test_lookahead_next_step_is_scheduled_before_tokens_arrive():
     s.add(a)
     s.add(b)
     first, _ = s.schedule()
-    first_spans = s.advance(first)
+    first_step = launch(s, first)
     assert a.token_ids[-1] == PENDING and len(a) == 11
     second, is_prefill = s.schedule()  # scheduled with the first step's tokens still pending
     assert not is_prefill and second == [a, b]
-    second_spans = s.advance(second)
+    second_step = launch(s, second)
     assert len(a) == 12 and a.token_ids[-2:] == [PENDING, PENDING]
-    s.postprocess(first, first_spans, [EOS, 5])  # a stops: its slot for the second step is dropped
+    s.postprocess(first_step, [EOS, 5])  # a stops: its slot for the second step is dropped
     assert a.finish_reason == "stop" and a.completion_token_ids == [EOS] and not a.block_table
     assert s.running == deque([b])
-    s.postprocess(second, second_spans, [9, 6])
+    s.postprocess(second_step, [9, 6])
     assert a.completion_token_ids == [EOS] and b.completion_token_ids == [5, 6]
 
 
@@ -227,7 +235,7 @@ def test_length_is_known_at_launch_so_no_step_is_wasted():
     seq = make_seq(5, max_tokens=1)
     s.add(seq)
     batch, _ = s.schedule()
-    spans = s.advance(batch)
+    launched = launch(s, batch)
     assert seq.is_finished and seq.finish_reason == "length" and not s.running
-    s.postprocess(batch, spans, [EOS])  # the last token turns out to be EOS: that is the better reason
+    s.postprocess(launched, [EOS])  # the last token turns out to be EOS: that is the better reason
     assert seq.finish_reason == "stop" and seq.completion_token_ids == [EOS]

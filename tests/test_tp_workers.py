@@ -7,14 +7,17 @@ from hf_reference import assert_no_leaks
 from test_e2e_transformers import random_prompts
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.engine.tp_workers import SHM_SIZE, WorkerChannel
+from nanovllm.engine.shm_channel import SHM_SIZE, WorkerChannel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def assert_released(llm) -> None:
     assert not os.path.exists(f"/dev/shm/{llm.workers.shm_name}")
-    assert not any(p.is_alive() for p in llm.workers.processes)
+    assert not llm.workers.processes and not llm.workers.events  # dropped, so their semaphores are unlinked
+    for pid in llm.workers.pids:  # joined and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def test_oversized_message_is_an_error_not_a_truncation():
@@ -54,7 +57,7 @@ def test_two_engines_at_once_exceptions_and_clean_exit(tiny_model):
                 calls += 1
                 if calls == 3:
                     raise KeyboardInterrupt
-                postprocess(*args)
+                return postprocess(*args)
 
             second.scheduler.postprocess = failing_postprocess
             with pytest.raises(KeyboardInterrupt):

@@ -13,9 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
-from nanovllm.layers.attention import _store_kvcache_kernel
+from nanovllm.attention.flash_attn_backend import _store_kvcache_kernel
 from nanovllm.layers.gumbel_max import _gumbel_max
-from nanovllm.layers.paged_decode import _decode_attention
+from nanovllm.attention.paged_decode import _decode_attention
 from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
 
 # argument types by name (other names are i32); constexprs as the engine passes them for Qwen3-0.6B

@@ -4,18 +4,21 @@ from time import perf_counter
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import LaunchedStep, ModelRunner
+from nanovllm.engine.detokenizer import Detokenizer
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import load_tokenizer
 
 
 class LLMEngine:
-    """Owns the tokenizer, the Scheduler and the ModelRunner of rank 0 (plus tensor-parallel workers)."""
+    """Owns the tokenizer, the Scheduler, the ModelRunner of rank 0 (plus tensor-parallel workers) and the step
+    in flight."""
 
     def __init__(self, model: str, **options) -> None:
         config = Config.from_options(model, **options)
@@ -32,8 +35,8 @@ class LLMEngine:
                 self.model_runner = ModelRunner(config)
             else:
                 self.workers.wait_for("started")
-                self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.shm_name,
-                                                self.workers.events, self.workers.wait_for)
+                self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.wait_for)
+                self.workers.open_channel()
         except BaseException as error:
             if self.workers is None:
                 raise
@@ -42,31 +45,32 @@ class LLMEngine:
             except RuntimeError as dead:
                 raise dead from error
             finally:
-                self.workers.join(timeout=5)
+                self.workers.close(timeout=5)
             raise
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
+        self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
-        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks, self.tokenizer.decode)
-        self.pending: LaunchedStep | None = None  # a launched step whose tokens are not read back yet
+        self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        # launched, tokens not read back yet (async scheduling: the next step is launched before it completes)
+        self.in_flight: Step | None = None
         self._exited = False
         atexit.register(self.exit)
 
     def exit(self) -> None:
-        """Stop the workers, unlink the shared-memory segment and free the model and KV cache. Idempotent."""
+        """Stop the workers, free the model and KV cache, and remove every shared-memory file. Idempotent."""
         if self._exited:
             return
         self._exited = True
         atexit.unregister(self.exit)
+        self.in_flight = None
         try:
-            # signalling a killed worker's Event can block forever, so the dead are not told
-            if self.workers is None or not self.workers.any_dead():
-                self.model_runner.call("exit")
-            else:
-                self.model_runner.exit()
+            if self.workers is not None:
+                self.workers.tell_exit()
+            self.model_runner.exit()
         finally:
             del self.model_runner
             if self.workers is not None:
-                self.workers.join()
+                self.workers.close()
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory
@@ -95,39 +99,47 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    # --- steps -------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
-        """Launch one scheduled batch, then finish the previous one while the device works on it.
-
-        Reading the previous step's tokens back only after this step is queued hides the CPU's bookkeeping
-        (postprocess, scheduling, input preparation) behind device time. Returns the batch and its token
-        count (negative for decode, to tell them apart).
-        """
+        """Schedule and launch one batch. With async scheduling the step launched before it completes only now,
+        while the device works on the new one, which hides the host's bookkeeping (postprocess, scheduling,
+        input preparation) behind device time. Returns the batch and its token count (negative for decode)."""
         # A prefill overlaps with the step in flight as a decode does: it feeds known prompt tokens (a request
         # preempted while its token was in flight gets that token when the step completes, which is before the
         # next schedule() can admit it again).
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # the step only retired requests, or all that is left is in flight
-            self._complete_pending()
+            self._complete(self.in_flight)
             return seqs, 0
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        step = Step.of(seqs, is_prefill)
+        previous, self.in_flight = self.in_flight, None
         if self.workers is None:
-            launched = self.model_runner.launch(seqs, is_prefill)
+            self.model_runner.launch(step, previous)
         else:
             self.workers.check_alive()  # a dead peer would leave rank 0 waiting in a collective
             with deferred_interrupt():
-                launched = self.model_runner.call("launch", seqs, is_prefill)
-        launched.spans = self.scheduler.advance(seqs)
-        self._complete_pending()
-        self.pending = launched
-        return seqs, num_tokens
+                self.workers.launch(step)
+                self.model_runner.launch(step, previous)
+        self.scheduler.advance(step)
+        self._complete(previous)
+        if self.config.async_scheduling:
+            self.in_flight = step
+        else:
+            self._complete(step)
+        return seqs, step.num_tokens if is_prefill else -len(seqs)
 
-    def _complete_pending(self) -> None:
-        if self.pending is not None:
-            step, self.pending = self.pending, None
-            self.scheduler.postprocess(step.seqs, step.spans, step.result(), step.logprobs)
+    def _complete(self, step: Step | None) -> None:
+        """Read a launched step's tokens back and apply them: new tokens, stop conditions, finished requests."""
+        if step is None:
+            return
+        if step is self.in_flight:
+            self.in_flight = None
+        for seq, index in self.scheduler.postprocess(step, step.result()):
+            if self.detokenizer.stop_string_at(seq, index):
+                self.scheduler.stop(seq, index)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self.pending is None
+        return self.scheduler.is_finished() and self.in_flight is None
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[dict]:
@@ -160,7 +172,7 @@ class LLMEngine:
                 bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
         except BaseException:
             # an interrupted call must not strand blocks or leave half-done requests for the next one
-            self.pending = None
+            self.in_flight = None
             self.scheduler.abort_all()
             raise
         finally:
@@ -168,12 +180,8 @@ class LLMEngine:
         return [self._output(seq) for seq in seqs]
 
     def _output(self, seq: Sequence) -> dict:
-        token_ids = seq.completion_token_ids
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        if seq.finish_reason == "stop" and seq.params.stop:
-            # the text ends before the first stop string (the token ids keep the token that completed it)
-            text = text[: min((text.find(s) for s in seq.params.stop if s in text), default=len(text))]
-        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
+        output = {"text": self.detokenizer.output_text(seq), "token_ids": seq.completion_token_ids,
+                  "finish_reason": seq.finish_reason}
         if seq.params.logprobs is not None:
             output["logprobs"] = seq.logprobs
         return output

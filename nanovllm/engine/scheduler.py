@@ -1,16 +1,15 @@
 from collections import deque
-from collections.abc import Callable
 
 from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PENDING, Sequence, SequenceStatus
+from nanovllm.engine.step import Step
 
 
 class Scheduler:
     """Decides what each step computes: prefill first (chunked past the token budget), else one decode token each."""
 
-    def __init__(self, config: Config, num_blocks: int, decode: Callable[[list[int]], str] = lambda ids: "") -> None:
-        self.decode = decode  # token ids -> text, for stop strings
+    def __init__(self, config: Config, num_blocks: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         # seats freed by finished requests are refilled in batches of this many (see may_prefill)
         self.admission_batch = max(1, config.max_num_seqs // 8)
@@ -102,62 +101,54 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def advance(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def advance(self, step: Step) -> None:
         """Account a launched step before its tokens are read back, so the next step can be scheduled meanwhile.
 
         The step's KV counts as computed, and each sequence that samples gets a PENDING slot for its token.
         A sequence that reaches max_tokens or max_model_len with that token is finished now, whatever the
-        token turns out to be, so no step is spent on it. Returns each sequence's computed span [start, end).
+        token turns out to be, so no step is spent on it.
         """
-        spans = []
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            seq.num_cached_tokens += seq.num_scheduled_tokens
+        for seq, (_, end) in zip(step.seqs, step.spans):
+            seq.num_cached_tokens = end
             seq.num_scheduled_tokens = 0
-            spans.append((start, seq.num_cached_tokens))
-            if seq.num_cached_tokens < len(seq):
+            if end < len(seq):
                 continue  # a prefill chunk that does not reach the end of the prompt samples nothing
             seq.append_token(PENDING)
             if seq.num_completion_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
                 self._finish(seq, "length")
                 self.running.remove(seq)
-        return spans
 
-    def postprocess(self, seqs: list[Sequence], spans: list[tuple[int, int]], token_ids: list[int],
-                    logprobs: list[dict[int, float]] | None = None) -> None:
-        """Fill in a step's sampled tokens, register the blocks it completed and finish on stop conditions.
+    def postprocess(self, step: Step, token_ids: list[int]) -> list[tuple[Sequence, int]]:
+        """Fill in a step's sampled tokens, register the blocks it completed and stop on stop or end tokens.
 
-        Decode registers here, not when scheduled: the token it fed may have been PENDING then."""
-        for i, (seq, (start, end), token_id) in enumerate(zip(seqs, spans, token_ids)):
+        Decode registers here, not when scheduled: the token it fed may have been PENDING then. Returns the
+        (sequence, index) of each new token that may still end its request by other means (stop strings: see
+        Detokenizer), that is, one past min_tokens and not already stopped here."""
+        may_stop = []
+        for i, (seq, (start, end), token_id) in enumerate(zip(step.seqs, step.spans, token_ids)):
             if seq.block_table and seq.status != SequenceStatus.FINISHED:
                 self.block_manager.register_full_blocks(seq, start, end)
             if end >= len(seq) or seq.token_ids[end] != PENDING:
                 continue  # a prefill chunk, or a request that finished while this step was in flight
             seq.token_ids[end] = token_id
-            if logprobs is not None and seq.params.logprobs is not None:
-                # the batch computed as many as its greediest row asked for; keep this request's k and its token
-                top = dict(list(logprobs[i].items())[: seq.params.logprobs])
-                seq.logprobs.append({**top, token_id: logprobs[i][token_id]})
-            if self._stops(seq, end, token_id):
-                already_finished = seq.is_finished
-                seq.truncate(end + 1)
-                self._finish(seq, "stop")
-                if not already_finished:
-                    (self.running if seq in self.running else self.waiting).remove(seq)
+            if step.logprobs is not None and step.logprobs[i] is not None:
+                seq.logprobs.append(step.logprobs[i])
+            params = seq.params
+            if end + 1 - seq.num_prompt_tokens <= params.min_tokens:  # the sampler masks stop tokens before that
+                continue
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+                self.stop(seq, end)
+            else:
+                may_stop.append((seq, end))
+        return may_stop
 
-    def _stops(self, seq: Sequence, index: int, token_id: int) -> bool:
-        """Whether the token at `index` ends the request (max_tokens and max_model_len are handled in advance)."""
-        params = seq.params
-        if index + 1 - seq.num_prompt_tokens <= params.min_tokens:  # the sampler masks stop tokens before that
-            return False
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return True
-        if params.stop:
-            # a stop string spans at most as many tokens as it has characters; a few more cover partial bytes
-            window = max(len(s) for s in params.stop) + 8
-            tail = self.decode(seq.token_ids[max(seq.num_prompt_tokens, index + 1 - window): index + 1])
-            return any(s in tail for s in params.stop)
-        return False
+    def stop(self, seq: Sequence, index: int) -> None:
+        """Finish seq because the token at `index` ends it, dropping the slots of steps launched after it."""
+        already_finished = seq.is_finished
+        seq.truncate(index + 1)
+        self._finish(seq, "stop")
+        if not already_finished:
+            (self.running if seq in self.running else self.waiting).remove(seq)
 
     def abort_all(self) -> list[Sequence]:
         """Drop every request after a failed or interrupted step, returning their blocks and forgetting

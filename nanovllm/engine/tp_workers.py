@@ -1,70 +1,42 @@
-"""Tensor-parallel ranks 1..N-1: spawned processes that mirror every call rank 0 makes on its ModelRunner."""
-import pickle
+"""Tensor-parallel ranks 1..N-1: spawned processes that mirror every step rank 0 launches on its ModelRunner."""
+import gc
 import signal
 import threading
 import time
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.shm_channel import WorkerChannel
+from nanovllm.engine.step import Step
 
-SHM_SIZE = 1 << 24
 STORE_TIMEOUT = timedelta(minutes=5)
 
 
-class WorkerChannel:
-    """Rank 0 -> workers: one pickled [method, *args] in a shared-memory segment, one Event per worker.
-
-    The first 4 bytes hold the message length; a message that does not fit is an error, never a truncation.
-    """
-
-    def __init__(self, name: str, create: bool) -> None:
-        self.shm = SharedMemory(name=name, create=create, size=SHM_SIZE if create else 0)
-        self.owner = create  # rank 0 created the segment and unlinks it
-
-    def send(self, events: list[Event], method: str, *args) -> None:
-        data = pickle.dumps([method, *args])
-        # rank 0 runs a step ahead of the device: a worker may not have read the last message yet (it clears
-        # its event once it has), and overwriting it would lose a step
-        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
-        while any(event.is_set() for event in events):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"a tensor-parallel worker did not read its last message within {STORE_TIMEOUT}")
-            time.sleep(0)
-        if len(data) + 4 > self.shm.size:
-            raise RuntimeError(f"tensor-parallel message of {len(data)} bytes exceeds the {self.shm.size}-byte "
-                               f"shared-memory segment")
-        self.shm.buf[:4] = len(data).to_bytes(4, "little")
-        self.shm.buf[4:4 + len(data)] = data
-        for event in events:
-            event.set()
-
-    def receive(self, event: Event) -> tuple[str, list]:
-        event.wait()
-        n = int.from_bytes(self.shm.buf[:4], "little")
-        method, *args = pickle.loads(self.shm.buf[4:4 + n])
-        event.clear()
-        return method, args
-
-    def close(self) -> None:
-        self.shm.close()
-        if self.owner:
-            self.shm.unlink()
-
-
 def _worker_main(config: Config, rank: int, port: int, shm_name: str, event: Event) -> None:
-    from nanovllm.engine.model_runner import ModelRunner
-
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STORE_TIMEOUT)
     reach = lambda stage: store.set(f"{stage}-{rank}", "1")  # noqa: E731
     reach("started")
-    ModelRunner(config, rank, store, shm_name, event, reach)  # returns when rank 0 sends "exit"
+    runner = ModelRunner(config, rank, store, reach)
+    store.wait([shm_name])  # rank 0 creates the segment once its own runner is ready
+    channel = WorkerChannel(shm_name, create=False)
+    previous: Step | None = None  # its tokens (broadcast from rank 0) feed the next decode's PENDING rows
+    try:
+        while True:
+            method, args = channel.receive(event)
+            if method == "exit":
+                runner.exit()
+                break
+            seqs, is_prefill = args  # "launch"
+            previous = runner.launch(Step.of(seqs, is_prefill), previous)
+    finally:
+        channel.close()
 
 
 class Workers:
@@ -76,6 +48,7 @@ class Workers:
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=STORE_TIMEOUT)
         self.shm_name = f"nanovllm-{uuid.uuid4().hex[:16]}"
+        self.channel: WorkerChannel | None = None
         ctx = mp.get_context("spawn")
         self.events = [ctx.Event() for _ in range(1, size)]
         self.processes = [
@@ -84,6 +57,18 @@ class Workers:
         ]
         for process in self.processes:
             process.start()
+        self.pids = [process.pid for process in self.processes]
+
+    def open_channel(self) -> None:
+        """Called once rank 0's runner is built: workers attach to the segment only after it exists."""
+        self.channel = WorkerChannel(self.shm_name, create=True)
+        self.store.set(self.shm_name, "ready")
+
+    def send(self, method: str, *args) -> None:
+        self.channel.send(self.events, method, *args)
+
+    def launch(self, step: Step) -> None:
+        self.send("launch", step.seqs, step.is_prefill)
 
     def wait_for(self, stage: str) -> None:
         """Wait for every worker to reach `stage` of its start-up; one that dies on the way is an error, not a
@@ -116,6 +101,22 @@ class Workers:
             if process.is_alive():  # stuck in a collective whose peer is gone
                 process.kill()
                 process.join()
+
+    def tell_exit(self) -> None:
+        # signalling a killed worker's Event can block forever, so the dead are not told
+        if self.channel is not None and not self.any_dead():
+            self.send("exit")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Wait for the workers to stop and release what they shared: the segment, and the events' named
+        semaphores (in /dev/shm until their last Python object is collected, so they are dropped here even if
+        the engine object lives on)."""
+        self.join(timeout)
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.processes, self.events = [], []
+        gc.collect()
 
 
 @contextmanager

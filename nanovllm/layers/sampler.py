@@ -1,9 +1,14 @@
+from collections.abc import Sequence as Rows
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
+from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.gumbel_max import gumbel_max_sample
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.device import to_device
 
 
 @dataclass
@@ -18,12 +23,19 @@ class SamplingTensors:
     seeds: list[tuple[int, int]] | None = None  # (row, seed for this row at this step)
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out (min_tokens)
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
+    logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
+
+    @property
+    def temperature_only(self) -> bool:
+        return (self.top_k is None and self.top_p is None and self.min_p is None and not self.seeds
+                and self.banned is None and self.num_logprobs is None)
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # on the logits' device: the caller decides when to wait for it
-    logprobs: list[dict[int, float]] | None = None  # per row: sampled token and the top k, id -> logprob
+    # per row: the top k then the sampled token, id -> logprob (None for a row that asked for none)
+    logprobs: list[dict[int, float] | None] | None = None
 
 
 def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -59,18 +71,51 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
-class Sampler(nn.Module):
-    """One token per row: argmax where temperature is 0, else a draw from the filtered, tempered distribution."""
+def temperature_only(params: SamplingParams) -> bool:
+    """Whether temperature is all the sampler must apply for these params (the fused kernel's case)."""
+    return (params.top_k <= 0 and params.top_p == 1.0 and params.min_p == 0.0 and params.min_tokens == 0
+            and (params.seed is None or params.temperature == 0) and params.logprobs is None)
 
-    def __init__(self) -> None:
+
+class Sampler(nn.Module):
+    """One token per row: argmax where temperature is 0, else a draw from the filtered, tempered distribution.
+
+    It owns sampling policy: `prepare` turns a batch's requests into SamplingTensors, `forward` samples."""
+
+    def __init__(self, eos_token_ids: Rows[int] = (), device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.device = device
         self.generator: torch.Generator | None = None
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
 
+    def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [seq.params for seq in seqs]
+        as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
+        tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
+        if all(map(temperature_only, params)):  # the per-step common case
+            return tensors
+        if any(p.top_k > 0 for p in params):
+            tensors.top_k = as_tensor([max(p.top_k, 0) for p in params], np.int64)
+        if any(p.top_p < 1.0 for p in params):
+            tensors.top_p = as_tensor([p.top_p for p in params], np.float32)
+        if any(p.min_p > 0.0 for p in params):
+            tensors.min_p = as_tensor([p.min_p for p in params], np.float32)
+        # the step's seed mixes in how many tokens the request has so far, so a replay after preemption matches
+        tensors.seeds = [(i, (p.seed * 1_000_003 + seq.num_completion_tokens) % (1 << 63))
+                         for i, (p, seq) in enumerate(zip(params, seqs)) if p.seed is not None and p.temperature]
+        banned = [(i, t) for i, (p, seq) in enumerate(zip(params, seqs)) if seq.num_completion_tokens < p.min_tokens
+                  for t in (*p.stop_token_ids, *self.eos_token_ids)]
+        if banned:
+            rows, ids = zip(*banned)
+            tensors.banned = (as_tensor(rows, np.int64), as_tensor(ids, np.int64))
+        tensors.logprobs_per_row = [p.logprobs for p in params]
+        wanted = [k for k in tensors.logprobs_per_row if k is not None]
+        tensors.num_logprobs = max(wanted) if wanted else None
+        return tensors
+
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
-        plain = (params.top_k is None and params.top_p is None and params.min_p is None and not params.seeds
-                 and params.banned is None and params.num_logprobs is None)
-        if plain:  # the common case: one fused kernel
+        if params.temperature_only:  # the common case: one fused kernel
             return SamplerOutput(self._sample_plain(logits, params.temperatures))
         logits = logits.float()
         if params.banned is not None:
@@ -82,8 +127,11 @@ class Sampler(nn.Module):
             all_logprobs = logits.log_softmax(dim=-1)
             top = all_logprobs.topk(params.num_logprobs, dim=-1)
             chosen = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            logprobs = [{**dict(zip(ids, values)), token: value} for ids, values, token, value in
-                        zip(top.indices.tolist(), top.values.tolist(), tokens.tolist(), chosen.tolist())]
+            # the batch computed as many as its greediest row asked for; each row keeps its own k and its token
+            per_row = params.logprobs_per_row or [params.num_logprobs] * logits.size(0)
+            logprobs = [None if k is None else {**dict(zip(ids[:k], values[:k])), token: value}
+                        for k, ids, values, token, value in zip(per_row, top.indices.tolist(),
+                                                                top.values.tolist(), tokens.tolist(), chosen.tolist())]
         return SamplerOutput(tokens, logprobs)
 
     def _sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,13 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
+from nanovllm.attention import AttentionBackend, make_attention_backend
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, qk_norm_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.parallel import TensorParallelGroup
 
 
@@ -23,7 +24,7 @@ def head_dim(config: Qwen3Config) -> int:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup, backend: AttentionBackend) -> None:
         super().__init__()
         tp_size = tp.size
         self.head_dim = head_dim(config)
@@ -36,7 +37,7 @@ class Qwen3Attention(nn.Module):
                                           config.num_key_value_heads, tp, bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, tp, bias=bias)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads, backend)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -44,14 +45,7 @@ class Qwen3Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if q.is_cuda:  # one kernel: norms, RoPE and the KV-cache write
-            destination = self.attn.kv_destination(v)
-            q, k = qk_norm_rope(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                                self.rotary_emb.cos_sin_cache, destination)
-            o = self.attn(q, k, v, kv_stored=destination is not None)
-        else:
-            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-            o = self.attn(q, k, v)
+        o = self.attn(positions, q, k, v, self.rotary_emb, (self.q_norm, self.k_norm))
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -67,9 +61,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, tp)
+        self.self_attn = Qwen3Attention(config, tp, backend)
         self.mlp = Qwen3MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -86,10 +80,10 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup) -> None:
+    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, tp) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([Qwen3DecoderLayer(config, tp, backend) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -111,10 +105,11 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: Qwen3Config, tp: TensorParallelGroup | None = None,
+                 backend: AttentionBackend | None = None) -> None:
         super().__init__()
         tp = tp or TensorParallelGroup()
-        self.model = Qwen3Model(config, tp)
+        self.model = Qwen3Model(config, tp, backend or make_attention_backend("torch", use_cuda=False))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -11,11 +11,9 @@ import triton.language as tl
 
 
 def default_max_splits(batch: int, num_kv_heads: int) -> int:
-    """Slices per sequence (of the table's full width), for about a thousand (sequence, KV head, slice)
-    programs at small batches and fewer, longer slices once the batch alone gives that many. Measured with
-    `tests/microbench_decode_attention.py` on an H200 (8 KV heads, 4,096-token tables, contexts as in
-    bench.py's run): 4 slices are 1-3.5% faster than 8 from 128 sequences up and 7-20% slower below; 8 are
-    best from 16 sequences up, 16 at 4 and 8 sequences (64 was 40% slower)."""
+    """Slices per sequence (of the table's full width): about a thousand (sequence, KV head, slice) programs
+    keep HBM busy at small batches; once the batch alone gives that many, fewer and longer slices merge less
+    (the sweep is benchmarks/microbench_decode_attention.py)."""
     if batch * num_kv_heads >= 1024:
         return 4
     return min(16, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
@@ -30,8 +28,7 @@ def _decode_attention(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
 ):
     # KV heads vary fastest in the grid: the programs of one sequence's heads start together and read the same
-    # cache rows (a token's heads sit side by side), which the HBM serves 1-3% faster than one head of many
-    # sequences (docs/experiments/grid_order_and_pipelined_loop.patch; docs/PERFORMANCE.md)
+    # cache rows (a token's heads sit side by side), which HBM serves faster than one head of many sequences
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)

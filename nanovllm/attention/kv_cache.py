@@ -1,0 +1,30 @@
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.attention.backend import LayerKV
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The one place that knows how the paged KV cache is laid out: one tensor
+    [K and V, layers, blocks, tokens per block, this rank's KV heads, head_dim]; token t of block b sits at slot
+    b * block_size + t of every layer's K and V."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        return math.prod(self.shape(1)) * self.dtype.itemsize
+
+    def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, list[LayerKV]]:
+        cache = torch.empty(self.shape(num_blocks), dtype=self.dtype, device=device)
+        return cache, [LayerKV(cache[0, i], cache[1, i]) for i in range(self.num_layers)]
