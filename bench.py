@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--attention-backend", default=None, choices=["triton", "flash_attn", "torch"],
+                        help="default: the fastest for the device")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="profile one more run: CPU phases, GPU kernel classes")
     args = parser.parse_args()
@@ -35,7 +37,7 @@ def main() -> None:
     path = args.model or default_checkpoint(args.shape)
     start = time.perf_counter()
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend)
     startup = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
@@ -49,7 +51,7 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"device: {device}, date: {date.today()}, model: {path}, startup: {startup:.1f} s, "
-          f"KV blocks: {llm.model_runner.num_kvcache_blocks}")
+          f"KV blocks: {llm.model_runner.num_kvcache_blocks}, attention: {llm.model_runner.backend.name}")
     if args.runs > 1 or args.profile:
         print("runs after the first use fresh random token ids (same prompt and output lengths), "
               "so they get no prefix-cache hits from earlier runs")

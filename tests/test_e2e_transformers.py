@@ -140,3 +140,30 @@ def test_tensor_parallel_2_identical_to_1(tiny_model, hf_model):
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in expected]
     check_against_hf(hf_model, prompts, outputs)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_async_scheduling_on_and_off(tiny_model, hf_model, async_scheduling):
+    """With async scheduling a step is launched while the previous one's tokens are still on the device (PENDING
+    rows gathered there); without, every step completes before the next is scheduled. Same tokens either way,
+    through preemption, prefix-cache hits and stop strings."""
+    prompts = random_prompts([500, 480, 460, 490, 300, 20], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(tiny_model, num_kvcache_blocks=8, async_scheduling=async_scheduling) as llm:
+        launch, overlapped = llm.model_runner.launch, []
+
+        def spying_launch(step, previous=None):
+            overlapped.append(previous is not None)
+            return launch(step, previous)
+
+        llm.model_runner.launch = spying_launch
+        preempted = record(llm.scheduler, "_preempt")
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert preempted and any(overlapped) == async_scheduling
+        text = llm.tokenizer.decode(outputs[5]["token_ids"][10:13])
+        stopped = llm.generate([prompts[5]], SamplingParams(temperature=0, max_tokens=40, stop=text),
+                               use_tqdm=False)[0]
+        assert_no_leaks(llm)
+    assert stopped["finish_reason"] == "stop" and len(stopped["token_ids"]) <= 13
+    for prompt, output in zip(prompts, outputs):
+        assert output["token_ids"] == hf_greedy(hf_model, prompt, 40)

@@ -17,6 +17,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096)
 
 
+@pytest.fixture(scope="module", params=["triton", "flash_attn"])
+def backend(request) -> str:
+    """Every acceptance test runs on both GPU attention backends."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     # a wider weight spread than the benchmark checkpoint, so logits are peaked enough to compare
@@ -62,8 +68,8 @@ def mixed_prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def graph_outputs(model_path, hf_model):
-    with LLM(model_path, **ENGINE) as llm:
+def graph_outputs(model_path, hf_model, backend):
+    with LLM(model_path, attention_backend=backend, **ENGINE) as llm:
         prompts = mixed_prompts()
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_no_leaks(llm)
@@ -96,16 +102,17 @@ def test_cuda_graph_decode_matches_transformers(graph_outputs, hf_model):
     check(hf_model, prompts, outputs)
 
 
-def test_eager_decode_identical_to_cuda_graphs(graph_outputs, model_path):
+def test_eager_decode_identical_to_cuda_graphs(graph_outputs, model_path, backend):
     prompts, outputs = graph_outputs
-    with LLM(model_path, enforce_eager=True, **ENGINE) as llm:
+    with LLM(model_path, enforce_eager=True, attention_backend=backend, **ENGINE) as llm:
         eager = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in eager] == [o["token_ids"] for o in outputs]
 
 
-def test_chunked_prefill_and_preemption_match_transformers(model_path, hf_model):
+def test_chunked_prefill_and_preemption_match_transformers(model_path, hf_model, backend):
     prompts = mixed_prompts()[:24]
-    with LLM(model_path, max_num_batched_tokens=1024, num_kvcache_blocks=24, max_model_len=4096) as llm:
+    with LLM(model_path, max_num_batched_tokens=1024, num_kvcache_blocks=24, max_model_len=4096,
+             attention_backend=backend) as llm:
         preempted = []
         preempt = llm.scheduler._preempt
         llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
@@ -116,15 +123,22 @@ def test_chunked_prefill_and_preemption_match_transformers(model_path, hf_model)
     check(hf_model, prompts, outputs)
 
 
+def test_async_scheduling_off_identical_to_on(graph_outputs, model_path, backend):
+    prompts, outputs = graph_outputs
+    with LLM(model_path, async_scheduling=False, attention_backend=backend, **ENGINE) as llm:
+        synchronous = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o["token_ids"] for o in synchronous] == [o["token_ids"] for o in outputs]
+
+
 def test_kv_budget_too_small_is_a_clear_error(model_path):
     with pytest.raises(RuntimeError, match="holds no block"):
         LLM(model_path, gpu_memory_utilization=0.01)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs (kind nvidia-h200-x2)")
-def test_tensor_parallel_2_matches_transformers_and_tp1(graph_outputs, model_path, hf_model):
+def test_tensor_parallel_2_matches_transformers_and_tp1(graph_outputs, model_path, hf_model, backend):
     prompts, single = graph_outputs
-    with LLM(model_path, tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(model_path, tensor_parallel_size=2, attention_backend=backend, **ENGINE) as llm:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert_no_leaks(llm)
     check(hf_model, prompts, outputs)
@@ -136,10 +150,10 @@ def test_tensor_parallel_2_matches_transformers_and_tp1(graph_outputs, model_pat
     assert first_agree >= 0.75
 
 
-def test_graph_block_tables_at_full_width_and_sampling_options(model_path, hf_model):
+def test_graph_block_tables_at_full_width_and_sampling_options(model_path, hf_model, backend):
     """Decode up to max_model_len (every block-table column in use), then narrower batches in the same graphs."""
     long_prompt, short_prompts = prompts_of([900], seed=5)[0], prompts_of([30, 300, 5], seed=6)
-    with LLM(model_path, max_model_len=1024, gpu_memory_utilization=0.3) as llm:
+    with LLM(model_path, max_model_len=1024, gpu_memory_utilization=0.3, attention_backend=backend) as llm:
         long = llm.generate([long_prompt] + short_prompts, SamplingParams(temperature=0, max_tokens=200,
                                                                             ignore_eos=True), use_tqdm=False)
         assert long[0]["finish_reason"] == "length" and len(long_prompt) + len(long[0]["token_ids"]) == 1024
@@ -160,7 +174,7 @@ def test_graph_block_tables_at_full_width_and_sampling_options(model_path, hf_mo
 def test_kv_budget_counts_memory_held_elsewhere(model_path):
     options = dict(gpu_memory_utilization=0.5, enforce_eager=True, max_num_batched_tokens=4096)
     with LLM(model_path, **options) as llm:
-        base, block_bytes = llm.model_runner.num_kvcache_blocks, llm.model_runner.kv_block_bytes()
+        base, block_bytes = llm.model_runner.num_kvcache_blocks, llm.model_runner.kv_layout.block_bytes
     print(f"\nallocated after exit: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
     held = torch.empty(16 << 30, dtype=torch.uint8, device="cuda")  # 16 GiB that this engine may not use
     try:

@@ -95,3 +95,16 @@ def test_worker_dying_during_startup_is_an_error_not_a_hang(tiny_model, monkeypa
     with pytest.raises(RuntimeError, match="rank 1"):
         LLM(tiny_model, num_kvcache_blocks=8, tensor_parallel_size=2)
     assert spawned and not any(p.is_alive() for p in spawned)
+
+
+def test_nothing_left_in_dev_shm_after_exit_while_still_referenced(tiny_model):
+    """The segment and the events' named semaphores (sem.mp-*) are gone once exit() returns, although the LLM
+    object (and its Workers) are still referenced."""
+    before = set(os.listdir("/dev/shm"))
+    llm = LLM(tiny_model, num_kvcache_blocks=8, tensor_parallel_size=2)
+    during = set(os.listdir("/dev/shm")) - before
+    assert any(name.startswith("sem.") for name in during) and llm.workers.shm_name in during
+    llm.generate(random_prompts([30], seed=1), GREEDY, use_tqdm=False)
+    llm.exit()
+    assert set(os.listdir("/dev/shm")) - before == set()
+    assert_released(llm)
