@@ -35,7 +35,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check("temperature", self.temperature, 0.0 <= _number(self.temperature) <= 100.0, "[0, 100]")
-        _check("top_k", self.top_k, _integer(self.top_k) and self.top_k >= -1, "-1, 0 (off) or a positive integer")
+        _check("top_k", self.top_k, _integer(self.top_k) and self.top_k >= -1,
+               "-1, 0 (off) or a positive integer below 2**63")
         _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
         _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
         _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer")
@@ -44,7 +45,7 @@ class SamplingParams:
                f"[0, max_tokens={self.max_tokens}]")
         _check("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings")
         _check("stop_token_ids", self.stop_token_ids, all(_integer(t) and t >= 0 for t in self.stop_token_ids),
-               "non-negative integers")
+               "non-negative integers below 2**63")
         _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
                "None or an integer >= 0")
 
@@ -58,7 +59,8 @@ def _number(value) -> float:
 
 
 def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    # 64-bit: these values become int64 tensors
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
 
 def _check(name: str, value, ok: bool, allowed: str) -> None:

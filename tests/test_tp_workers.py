@@ -1,4 +1,5 @@
 """Tensor-parallel lifecycle on CPU (gloo): no collisions, no leftovers, clear errors."""
+import ipaddress
 import os
 
 import pytest
@@ -44,7 +45,7 @@ def test_two_engines_at_once_exceptions_and_clean_exit(tiny_model):
     with pytest.raises(KeyError):
         with LLM(tiny_model, num_kvcache_blocks=16, tensor_parallel_size=2) as second:
             assert first.workers.shm_name != second.workers.shm_name
-            assert first.workers.store.port != second.workers.store.port
+            assert first.workers.store_path != second.workers.store_path
             assert [o["token_ids"] for o in first.generate(prompts, GREEDY, use_tqdm=False)] == expected
             assert [o["token_ids"] for o in second.generate(prompts, GREEDY, use_tqdm=False)] == expected
 
@@ -108,3 +109,45 @@ def test_nothing_left_in_dev_shm_after_exit_while_still_referenced(tiny_model):
     llm.exit()
     assert set(os.listdir("/dev/shm")) - before == set()
     assert_released(llm)
+
+
+def listening_sockets(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of these processes holds, from /proc."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or int(fields[9]) not in inodes:  # 0A: LISTEN
+                    continue
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((str(ipaddress.ip_address(raw)), int(port, 16)))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback)
+
+
+def test_tensor_parallel_listens_on_loopback_only_and_not_after_exit(tiny_model):
+    before = listening_sockets([os.getpid()])
+    llm = LLM(tiny_model, num_kvcache_blocks=8, tensor_parallel_size=2)
+    llm.generate(random_prompts([30], seed=2), GREEDY, use_tqdm=False)
+    during = listening_sockets([os.getpid(), *llm.workers.pids])
+    assert during, "gloo's listeners should be visible here: the check itself would be blind otherwise"
+    assert all(is_loopback(address) for address, _ in during), during
+    llm.exit()
+    assert listening_sockets([os.getpid()]) - before == set()

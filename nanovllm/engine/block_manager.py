@@ -34,8 +34,14 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free, nothing cached."""
+        for block in self.blocks:
+            block.ref_count, block.hash, block.token_ids = 0, -1, []
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: deque[int] = deque(range(len(self.blocks)))
         self.used_block_ids: set[int] = set()
 
     @property
@@ -116,16 +122,6 @@ class BlockManager:
             self._release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
-
-    def forget(self, seq: Sequence) -> None:
-        """Deallocate seq after a failed step: blocks it registered may never have been written."""
-        for block_id in seq.block_table:
-            block = self.blocks[block_id]
-            if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
-                block.hash = -1
-                block.token_ids = []
-        self.deallocate(seq)
 
     def can_append(self, seq: Sequence) -> bool:
         # a new block is needed exactly when the token about to be computed opens one

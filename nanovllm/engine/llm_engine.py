@@ -1,5 +1,6 @@
 import atexit
 import gc
+import threading
 from time import perf_counter
 
 import torch
@@ -53,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
         # launched, tokens not read back yet (async scheduling: the next step is launched before it completes)
         self.in_flight: Step | None = None
+        self._lock = threading.Lock()  # one generate() at a time per engine
         self._exited = False
         atexit.register(self.exit)
 
@@ -76,8 +78,19 @@ class LLMEngine:
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory
 
     # --- requests ----------------------------------------------------------------------------------------
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the fields that index this model's vocabulary."""
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids holds {bad[0]}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size "
+                             f"{self.vocab_size}")
+
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate one request; raises ValueError before anything is scheduled."""
+        self.check_params(params)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError(f"empty prompt {prompt!r}: at least one token is needed")
@@ -109,6 +122,8 @@ class LLMEngine:
         # next schedule() can admit it again).
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # the step only retired requests, or all that is left is in flight
+            if self.in_flight is None and (reason := self.scheduler.why_stuck()):
+                raise RuntimeError(f"nothing can be scheduled: {reason}")  # never spin
             self._complete(self.in_flight)
             return seqs, 0
         step = Step.of(seqs, is_prefill)
@@ -143,6 +158,13 @@ class LLMEngine:
 
     def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[dict]:
+        """Run every prompt to completion; outputs in input order.
+
+        Every request is validated before any is queued. One engine runs one call at a time: calls from several
+        threads are serialised by a lock. An exception or Ctrl-C anywhere in the call aborts all of its requests
+        and frees every KV block, leaving the engine ready for the next call."""
+        if self._exited:
+            raise RuntimeError("this LLM has exited (llm.exit() or its with block ended); create a new one")
         if not prompts:
             return []
         if isinstance(sampling_params, SamplingParams):
@@ -150,34 +172,36 @@ class LLMEngine:
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
                              f"pass one, or one per prompt")
-        # validate everything before any request is queued, so a bad one leaves the engine untouched
-        seqs = [self.make_sequence(prompt, params) for prompt, params in zip(prompts, sampling_params)]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        with self._lock:
+            seqs = [self.make_sequence(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+            bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            try:
+                for seq in seqs:
+                    self.scheduler.add(seq)
+                self._run(seqs, bar)
+            except BaseException:
+                self.in_flight = None
+                self.scheduler.abort_all()
+                raise
+            finally:
+                bar.close()
+        return [self._output(seq) for seq in seqs]
+
+    def _run(self, seqs: list[Sequence], bar: tqdm) -> None:
         prefill_throughput = decode_throughput = 0.0
         done = 0
-        try:
-            while not self.is_finished():
-                start = perf_counter()
-                _, num_tokens = self.step()
-                elapsed = perf_counter() - start
-                if num_tokens > 0:
-                    prefill_throughput = num_tokens / elapsed
-                elif num_tokens < 0:
-                    decode_throughput = -num_tokens / elapsed
-                finished = sum(seq.is_finished for seq in seqs)
-                bar.update(finished - done)
-                done = finished
-                bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
-        except BaseException:
-            # an interrupted call must not strand blocks or leave half-done requests for the next one
-            self.in_flight = None
-            self.scheduler.abort_all()
-            raise
-        finally:
-            bar.close()
-        return [self._output(seq) for seq in seqs]
+        while not self.is_finished():
+            start = perf_counter()
+            _, num_tokens = self.step()
+            elapsed = perf_counter() - start
+            if num_tokens > 0:
+                prefill_throughput = num_tokens / elapsed
+            elif num_tokens < 0:
+                decode_throughput = -num_tokens / elapsed
+            finished = sum(seq.is_finished for seq in seqs)
+            bar.update(finished - done)
+            done = finished
+            bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
 
     def _output(self, seq: Sequence) -> dict:
         output = {"text": self.detokenizer.output_text(seq), "token_ids": seq.completion_token_ids,

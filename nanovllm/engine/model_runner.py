@@ -61,14 +61,14 @@ class ModelRunner:
         reach("allocated")
         self.graphs = None
         if not (config.enforce_eager or not self.use_cuda):
-            self.graphs = CUDAGraphs(self.model, config.max_num_seqs, self.inputs.max_blocks_per_seq,
+            self.graphs = CUDAGraphs(self.model, self.max_batch, self.inputs.max_blocks_per_seq,
                                      hf_config.hidden_size, self.dtype, self.device)
 
     def exit(self) -> None:
         self.graphs = None
         if self.use_cuda:
             torch.cuda.synchronize()
-        self.tp = None
+        self.tp.close()
 
     # --- startup -----------------------------------------------------------------------------------------
     def warmup_model(self) -> None:
@@ -82,7 +82,12 @@ class ModelRunner:
         seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        self.launch(Step.of(seqs, True))  # on every rank; only rank 0 samples, so nothing is read back here
+        try:
+            self.launch(Step.of(seqs, True))  # on every rank; only rank 0 samples, so nothing is read back here
+        except torch.OutOfMemoryError as error:
+            raise ValueError(f"a prefill of max_num_batched_tokens={self.config.max_num_batched_tokens} tokens "
+                             f"({num_seqs} x {seq_len}) does not fit in GPU memory: lower max_num_batched_tokens "
+                             f"or max_model_len") from error
         # compiled layers specialise size 1 apart from other sizes: compile that case now, not in a timed run
         one = Sequence([0], block_size=self.block_size)
         one.num_scheduled_tokens = 1
@@ -118,6 +123,12 @@ class ModelRunner:
         block_bytes = self.kv_layout.block_bytes
         if self.config.num_kvcache_blocks > 0:
             self.num_kvcache_blocks = self.config.num_kvcache_blocks
+            free = torch.cuda.mem_get_info()[0] if self.use_cuda else available_cpu_memory()
+            if self.num_kvcache_blocks * block_bytes > free:
+                raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks} needs "
+                                 f"{self.num_kvcache_blocks * block_bytes / 2**30:.2f} GiB of KV cache but "
+                                 f"{free / 2**30:.2f} GiB of {self.device.type} memory is free: at most "
+                                 f"{free // block_bytes} blocks of {block_bytes / 2**20:.1f} MiB fit")
         else:
             self.num_kvcache_blocks = self.num_blocks_from_memory(block_bytes)
         # every rank must agree, or block ids would mean different slots
@@ -127,7 +138,9 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, cache in zip(layers, layer_caches, strict=True):
             layer.cache = cache
-        self.backend.bind(self.kv_layout.num_kv_heads, self.config.max_num_seqs, self.device)
+        # a running request holds at least one block, so no batch is larger than the cache has blocks
+        self.max_batch = min(self.config.max_num_seqs, self.num_kvcache_blocks)
+        self.backend.bind(self.kv_layout.num_kv_heads, self.max_batch, self.device)
 
     # --- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()

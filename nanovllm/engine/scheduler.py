@@ -66,34 +66,44 @@ class Scheduler:
             if not seq.completes_prompt:
                 break  # the budget is spent; the rest of this prompt comes in the next steps
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.popleft())
+            # appended before it leaves waiting: an interrupt in between leaves it in both, never in neither
+            self.running.append(seq)
+            self.waiting.popleft()
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
+        """One token for each running sequence, oldest first, preempting the youngest when blocks run out.
+
+        Sequences stay in `running` while this walks them, so an interrupt at any point leaves every request in a
+        deque, where abort_all finds it."""
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
+        for seq in list(self.running):
+            if len(scheduled) == self.max_num_seqs:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted below as the youngest, to make room for an older one
             while not self.block_manager.can_append(seq):
-                if self.running:
-                    self._preempt(self.running.pop())  # the youngest gives way
+                if self.running[-1] is not seq:  # everything after seq is younger and not scheduled yet
+                    self._preempt(self.running[-1])  # the youngest gives way
                 elif scheduled:
                     self._preempt(seq)
                     break
                 else:
                     # it holds the whole cache alone and still cannot grow: it can never fit
                     self._finish(seq, "length")
+                    self.running.remove(seq)
                     break
             else:
                 seq.num_scheduled_tokens = 1
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)  # before leaving running, so it is always in one deque at least
+        self.running.remove(seq)
         self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.block_table:
@@ -151,14 +161,27 @@ class Scheduler:
             (self.running if seq in self.running else self.waiting).remove(seq)
 
     def abort_all(self) -> list[Sequence]:
-        """Drop every request after a failed or interrupted step, returning their blocks and forgetting
-        prefix-cache entries whose KV may never have been written."""
-        aborted = list(self.running) + list(self.waiting)
+        """Drop every request after a failed or interrupted step and free the whole cache.
+
+        Nothing survives an abort, so the block manager starts afresh rather than trusting its state (an
+        interrupt may have stopped it halfway through taking a block), and prefix-cache entries whose KV may
+        never have been written are forgotten with the rest."""
+        aborted = list(dict.fromkeys([*self.running, *self.waiting]))  # an interrupt may leave one in both
         for seq in aborted:
-            if seq.block_table:
-                self.block_manager.forget(seq)
+            seq.block_table = []
+            seq.num_cached_tokens = seq.num_scheduled_tokens = 0
             seq.status = SequenceStatus.FINISHED
             seq.finish_reason = "abort"
         self.running.clear()
         self.waiting.clear()
+        self.block_manager.reset()
         return aborted
+
+    def why_stuck(self) -> str | None:
+        """Why nothing can be scheduled while requests wait and none runs (which frees no block), or None."""
+        if self.running or not self.waiting:
+            return None
+        seq, bm = self.waiting[0], self.block_manager
+        return (f"request {seq.seq_id} ({len(seq)} tokens) needs {seq.num_blocks} KV blocks and holds "
+                f"{len(seq.block_table)}; {len(bm.free_block_ids)} of {bm.num_blocks} are free and no running "
+                f"request can free more")

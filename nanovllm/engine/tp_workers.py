@@ -1,6 +1,9 @@
 """Tensor-parallel ranks 1..N-1: spawned processes that mirror every step rank 0 launches on its ModelRunner."""
 import gc
+import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import uuid
@@ -19,8 +22,9 @@ from nanovllm.engine.step import Step
 STORE_TIMEOUT = timedelta(minutes=5)
 
 
-def _worker_main(config: Config, rank: int, port: int, shm_name: str, event: Event) -> None:
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=STORE_TIMEOUT)
+def _worker_main(config: Config, rank: int, store_path: str, shm_name: str, event: Event) -> None:
+    store = dist.FileStore(store_path)
+    store.set_timeout(STORE_TIMEOUT)
     reach = lambda stage: store.set(f"{stage}-{rank}", "1")  # noqa: E731
     reach("started")
     runner = ModelRunner(config, rank, store, reach)
@@ -40,19 +44,23 @@ def _worker_main(config: Config, rank: int, port: int, shm_name: str, event: Eve
 
 
 class Workers:
-    """Spawns ranks 1..N-1 with their own rendezvous store and segment name, so engines never collide."""
+    """Spawns ranks 1..N-1 with their own rendezvous store and segment name, so engines never collide.
+
+    The store is a file in a directory only this user can read (a TCP store would listen on every interface,
+    unauthenticated)."""
 
     def __init__(self, config: Config) -> None:
         size = config.tensor_parallel_size
-        # port 0: the OS picks a free port, and the workers learn it from us
-        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                                   timeout=STORE_TIMEOUT)
+        self.store_dir = tempfile.mkdtemp(prefix="nanovllm-store-")  # mode 0700
+        self.store_path = os.path.join(self.store_dir, "store")
+        self.store = dist.FileStore(self.store_path)
+        self.store.set_timeout(STORE_TIMEOUT)
         self.shm_name = f"nanovllm-{uuid.uuid4().hex[:16]}"
         self.channel: WorkerChannel | None = None
         ctx = mp.get_context("spawn")
         self.events = [ctx.Event() for _ in range(1, size)]
         self.processes = [
-            ctx.Process(target=_worker_main, args=(config, rank, self.store.port, self.shm_name, event), daemon=True)
+            ctx.Process(target=_worker_main, args=(config, rank, self.store_path, self.shm_name, event), daemon=True)
             for rank, event in zip(range(1, size), self.events)
         ]
         for process in self.processes:
@@ -116,6 +124,8 @@ class Workers:
             self.channel.close()
             self.channel = None
         self.processes, self.events = [], []
+        self.store = None
+        shutil.rmtree(self.store_dir, ignore_errors=True)
         gc.collect()
 
 

@@ -1,3 +1,4 @@
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -9,8 +10,9 @@ import torch.distributed as dist
 class TensorParallelGroup:
     """This rank's place among the tensor-parallel ranks, and the process group they share.
 
-    The group is built from its own TCPStore instead of torch's global default group, so two engines in one
-    process keep separate groups. Size 1 needs no group and every collective is a no-op.
+    The group is built from its own store instead of torch's global default group, so two engines in one
+    process keep separate groups. Size 1 needs no group and every collective is a no-op. Ranks share one host,
+    so every socket they open is bound to the loopback interface.
     """
 
     rank: int = 0
@@ -23,12 +25,23 @@ class TensorParallelGroup:
         if size == 1:
             return cls()
         if use_cuda:
+            # NCCL's bootstrap listens on the interface this names (the user's own setting wins)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
-            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            options._timeout = timeout
+            pg = dist.ProcessGroupGloo(store, rank, size, options)
         return cls(rank, size, pg)
+
+    def close(self) -> None:
+        """Shut the process group down, closing its connections to the other ranks."""
+        if self.pg is not None:
+            self.pg.shutdown()
+            self.pg = None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
