@@ -61,7 +61,7 @@ def main() -> None:
         start = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        total = sum(len(o["token_ids"]) for o in outputs)
+        total = sum(len(o.outputs[0].token_ids) for o in outputs)
         times.append(elapsed)
         print(f"run {run + 1}: Total: {total} tok, Time: {elapsed:.2f} s, Throughput: {total / elapsed:.0f} tok/s")
     if args.profile:

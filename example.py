@@ -22,7 +22,8 @@ def main() -> None:
             for p in prompts
         ]
         for prompt, output in zip(prompts, llm.generate(prompts, params)):
-            print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r} ({output['finish_reason']})")
+            completion = output.outputs[0]
+            print(f"\nPrompt: {prompt!r}\nCompletion: {completion.text!r} ({completion.finish_reason})")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 from nanovllm.llm import LLM
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -22,6 +22,7 @@ class Config:
     num_kvcache_blocks: int = -1
     attention_backend: str | None = None  # None: the fastest for the device; see nanovllm.attention
     async_scheduling: bool = True  # launch step n+1 before reading step n's tokens back
+    max_logprobs: int = 20  # the most logprobs a request may ask for, as vLLM's
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
@@ -32,6 +33,8 @@ class Config:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kvcache_block_size <= 0 or self.kvcache_block_size % 16 != 0:
@@ -46,6 +49,7 @@ class Config:
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         check_model_config(self.hf_config)
+        _check_architecture(self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         for name in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(self.hf_config, name)
@@ -60,6 +64,17 @@ class Config:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known options are {sorted(known - {'model'})}")
         return cls(model, **options)
+
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+def _check_architecture(hf_config: PretrainedConfig) -> None:
+    """Refuse a checkpoint of another model family rather than load it into Qwen3's code."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not any(name in SUPPORTED_ARCHITECTURES for name in architectures) or hf_config.model_type != "qwen3":
+        raise ValueError(f"unsupported model: architectures={architectures}, model_type="
+                         f"{hf_config.model_type!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
 
 
 def _check_positive(name: str, value: int) -> None:

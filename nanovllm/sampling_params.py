@@ -1,39 +1,66 @@
 from dataclasses import dataclass, field
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SamplingParams:
-    """How one request is sampled and when it stops (the subset of vLLM's SamplingParams an offline user needs).
+    """How one request is sampled and when it stops: vLLM's SamplingParams, keyword-only, with vLLM's names and
+    defaults for the fields it has. Every field is checked when set, at construction or later.
 
     temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
-    top_k: keep only the k most likely tokens (-1 or 0: off).
+    top_k: keep only the k most likely tokens (0 or -1: off; above the vocabulary: all).
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1: off).
     min_p: drop tokens less likely than min_p times the most likely one (0: off).
         The filters apply in that order: temperature, top-k, top-p, min-p, each to what the last one left.
     seed: per-request seed; the same prompt and seed give the same tokens whatever else is in the batch.
     max_tokens: the most tokens to generate (generation also stops at the engine's max_model_len).
     min_tokens: end-of-sequence and stop tokens are suppressed until this many tokens are generated.
-    stop: strings that end generation; the output text ends before the stop string.
+    stop: strings that end generation; the output text ends before the stop string (None: none).
     stop_token_ids: token ids that end generation, besides the model's end-of-sequence tokens.
     ignore_eos: keep generating past end-of-sequence tokens (for benchmarks).
-    logprobs: None, or k: return the sampled token's log-probability and the k most likely at each step.
+    logprobs: None, or k: return the sampled token's log-probability and the k most likely at each step
+        (k at most the engine's max_logprobs).
+    skip_special_tokens: leave special tokens out of the output text.
+    include_stop_str_in_output: keep the stop string at the end of the output text.
     """
 
     temperature: float = 1.0
-    top_k: int = -1
+    top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 64
+    max_tokens: int = 16
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] | str | None = field(default_factory=list)
+    stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _checked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        if not getattr(self, "_checked", False):  # construction: __post_init__ checks everything at once
+            object.__setattr__(self, name, value)
+            return
+        previous = getattr(self, name)
+        object.__setattr__(self, name, value)
+        try:
+            self._check()
+        except ValueError:
+            object.__setattr__(self, name, previous)
+            raise
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        self._check()
+        object.__setattr__(self, "_checked", True)
+
+    def _check(self) -> None:
+        if self.stop is None:
+            object.__setattr__(self, "stop", [])
+        elif isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", [])
         _check("temperature", self.temperature, 0.0 <= _number(self.temperature) <= 100.0, "[0, 100]")
         _check("top_k", self.top_k, _integer(self.top_k) and self.top_k >= -1,
                "-1, 0 (off) or a positive integer below 2**63")
@@ -43,11 +70,15 @@ class SamplingParams:
         _check("max_tokens", self.max_tokens, _integer(self.max_tokens) and self.max_tokens >= 1, ">= 1")
         _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"[0, max_tokens={self.max_tokens}]")
-        _check("stop", self.stop, all(isinstance(s, str) and s for s in self.stop), "non-empty strings")
-        _check("stop_token_ids", self.stop_token_ids, all(_integer(t) and t >= 0 for t in self.stop_token_ids),
+        _check("stop", self.stop, isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+               "a string, a list of non-empty strings, or None")
+        _check("stop_token_ids", self.stop_token_ids, isinstance(self.stop_token_ids, list)
+               and all(_integer(t) and t >= 0 for t in self.stop_token_ids),
                "non-negative integers below 2**63")
         _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
                "None or an integer >= 0")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
 
     @property
     def is_greedy(self) -> bool:

@@ -127,7 +127,7 @@ def test_nothing_schedulable_is_an_error_not_a_spin(llm):
 
 @pytest.mark.parametrize("params, message", [
     (dict(stop_token_ids=[5000], min_tokens=2), r"stop_token_ids holds 5000, outside the vocabulary \[0, 1024\)"),
-    (dict(logprobs=5000), r"logprobs=5000 exceeds the vocabulary size 1024"),
+    (dict(logprobs=5000), r"logprobs=5000 exceeds 20: the engine option max_logprobs=20 and the vocabulary"),
 ])
 def test_values_checked_against_the_vocabulary_before_any_work(llm, params, message):
     prompts, _ = workload()

@@ -108,7 +108,8 @@ def test_logprobs_are_the_models_log_softmax():
         top = expected[row].topk(4)
         assert set(top.indices.tolist()) | {token} == set(entry)
         for token_id, value in entry.items():
-            assert value == pytest.approx(expected[row, token_id].item(), abs=1e-5)
+            assert value.logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
+            assert value.rank == 1 + (expected[row] > expected[row, token_id]).sum().item()
 
 
 # --- the Triton Gumbel-max kernel (CPU: Triton's interpreter, small; GPU: a real vocabulary) ---------------

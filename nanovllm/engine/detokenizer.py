@@ -9,19 +9,26 @@ class Detokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
 
-    def stop_string_at(self, seq: Sequence, index: int) -> bool:
-        """Whether the text up to the token at `index` has just completed one of the request's stop strings."""
+    def stop_string_at(self, seq: Sequence, index: int) -> str | None:
+        """The stop string that the text up to the token at `index` has just completed, if any."""
         stop = seq.params.stop
         if not stop:
-            return False
+            return None
         # a stop string spans at most as many tokens as it has characters; a few more cover partial bytes
         window = max(len(s) for s in stop) + 8
         tail = self.tokenizer.decode(seq.token_ids[max(seq.num_prompt_tokens, index + 1 - window): index + 1])
-        return any(s in tail for s in stop)
+        return next((s for s in stop if s in tail), None)
 
     def output_text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-        if seq.finish_reason == "stop" and seq.params.stop:
-            # the text ends before the first stop string (the token ids keep the token that completed it)
-            text = text[: min((text.find(s) for s in seq.params.stop if s in text), default=len(text))]
+        params = seq.params
+        text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
+        found = min(((text.find(s), s) for s in params.stop if s in text), default=None)
+        if isinstance(seq.stop_reason, str) and found is not None:
+            # the text ends before the first stop string, or with it (the token ids keep the token that
+            # completed it either way)
+            start, stop = found
+            text = text[: start + len(stop) if params.include_stop_str_in_output else start]
         return text
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])

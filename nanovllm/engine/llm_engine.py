@@ -1,6 +1,7 @@
 import atexit
 import gc
 import threading
+from collections.abc import Iterable
 from time import perf_counter
 
 import torch
@@ -9,10 +10,12 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompts
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
@@ -84,9 +87,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids holds {bad[0]}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the vocabulary size "
-                             f"{self.vocab_size}")
+        limit = min(self.config.max_logprobs, self.vocab_size)
+        if params.logprobs is not None and params.logprobs > limit:
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {limit}: the engine option "
+                             f"max_logprobs={self.config.max_logprobs} and the vocabulary size {self.vocab_size}")
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate one request; raises ValueError before anything is scheduled."""
@@ -150,30 +154,30 @@ class LLMEngine:
         if step is self.in_flight:
             self.in_flight = None
         for seq, index in self.scheduler.postprocess(step, step.result()):
-            if self.detokenizer.stop_string_at(seq, index):
-                self.scheduler.stop(seq, index)
+            if (stop := self.detokenizer.stop_string_at(seq, index)) is not None:
+                self.scheduler.stop(seq, index, reason=stop)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self.in_flight is None
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling_params: SamplingParams | list[SamplingParams],
-                 use_tqdm: bool = True) -> list[dict]:
-        """Run every prompt to completion; outputs in input order.
+    def generate(self, prompts: Prompt | Iterable[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs (vLLM's RequestOutput) in input order.
 
+        prompts: one prompt or an iterable of them; a prompt is a string, a list of token ids, or a dict with
+        "prompt" (text) or "prompt_token_ids". sampling_params: one for all, one per prompt, or None (defaults).
         Every request is validated before any is queued. One engine runs one call at a time: calls from several
         threads are serialised by a lock. An exception or Ctrl-C anywhere in the call aborts all of its requests
         and frees every KV block, leaving the engine ready for the next call."""
         if self._exited:
             raise RuntimeError("this LLM has exited (llm.exit() or its with block ended); create a new one")
-        if not prompts:
+        parsed = parse_prompts(prompts)
+        params = broadcast_params(sampling_params, len(parsed))
+        if not parsed:
             return []
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                             f"pass one, or one per prompt")
         with self._lock:
-            seqs = [self.make_sequence(prompt, params) for prompt, params in zip(prompts, sampling_params)]
+            seqs = [self.make_sequence(prompt, p) for (_, prompt), p in zip(parsed, params)]
             bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
             try:
                 for seq in seqs:
@@ -185,7 +189,7 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
-        return [self._output(seq) for seq in seqs]
+        return [self._output(seq, text) for seq, (text, _) in zip(seqs, parsed)]
 
     def _run(self, seqs: list[Sequence], bar: tqdm) -> None:
         prefill_throughput = decode_throughput = 0.0
@@ -203,9 +207,14 @@ class LLMEngine:
             done = finished
             bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
 
-    def _output(self, seq: Sequence) -> dict:
-        output = {"text": self.detokenizer.output_text(seq), "token_ids": seq.completion_token_ids,
-                  "finish_reason": seq.finish_reason}
+    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        logprobs = cumulative = None
         if seq.params.logprobs is not None:
-            output["logprobs"] = seq.logprobs
-        return output
+            logprobs = seq.logprobs
+            for position in logprobs:
+                for token_id, entry in position.items():
+                    entry.decoded_token = self.detokenizer.token_text(token_id)
+            cumulative = sum(position[token].logprob for position, token in zip(logprobs, seq.completion_token_ids))
+        completion = CompletionOutput(0, self.detokenizer.output_text(seq), seq.completion_token_ids, cumulative,
+                                      logprobs, seq.finish_reason, seq.stop_reason)
+        return RequestOutput(str(seq.seq_id), prompt, seq.token_ids[: seq.num_prompt_tokens], [completion])

@@ -146,17 +146,21 @@ class Scheduler:
             params = seq.params
             if end + 1 - seq.num_prompt_tokens <= params.min_tokens:  # the sampler masks stop tokens before that
                 continue
-            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            if token_id in params.stop_token_ids:
+                self.stop(seq, end, reason=token_id)
+            elif not params.ignore_eos and token_id in self.eos_token_ids:
                 self.stop(seq, end)
             else:
                 may_stop.append((seq, end))
         return may_stop
 
-    def stop(self, seq: Sequence, index: int) -> None:
-        """Finish seq because the token at `index` ends it, dropping the slots of steps launched after it."""
+    def stop(self, seq: Sequence, index: int, reason: int | str | None = None) -> None:
+        """Finish seq because the token at `index` ends it (reason: the stop token id or string; None for an end
+        token of the model), dropping the slots of steps launched after it."""
         already_finished = seq.is_finished
         seq.truncate(index + 1)
         self._finish(seq, "stop")
+        seq.stop_reason = reason
         if not already_finished:
             (self.running if seq in self.running else self.waiting).remove(seq)
 

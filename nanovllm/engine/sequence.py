@@ -1,6 +1,7 @@
 from enum import Enum, auto
 from itertools import count
 
+from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 
 # a sampled token whose value is still on the GPU: the next step is scheduled before it is read back
@@ -33,7 +34,8 @@ class Sequence:
         self.block_table: list[int] = []
         self.params = sampling_params  # read on rank 0 only; workers never sample
         self.finish_reason: str | None = None
-        self.logprobs: list[dict[int, float]] = []  # one entry per generated token, when params.logprobs is set
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+        self.logprobs: list[dict[int, Logprob]] = []  # one entry per generated token, when params.logprobs is set
         self._shipped_token_ids: list[int] = []
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ from torch import nn
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.gumbel_max import gumbel_max_sample
+from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -34,8 +35,8 @@ class SamplingTensors:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # on the logits' device: the caller decides when to wait for it
-    # per row: the top k then the sampled token, id -> logprob (None for a row that asked for none)
-    logprobs: list[dict[int, float] | None] | None = None
+    # per row: the top k then the sampled token (None for a row that asked for none)
+    logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -75,6 +76,15 @@ def temperature_only(params: SamplingParams) -> bool:
     """Whether temperature is all the sampler must apply for these params (the fused kernel's case)."""
     return (params.top_k <= 0 and params.top_p == 1.0 and params.min_p == 0.0 and params.min_tokens == 0
             and (params.seed is None or params.temperature == 0) and params.logprobs is None)
+
+
+def _row_logprobs(k: int | None, top_ids: list[int], top_values: list[float], token: int, value: float,
+                  rank: int) -> dict[int, Logprob] | None:
+    if k is None:
+        return None
+    entry = {i: Logprob(v, r) for r, (i, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
+    entry[token] = Logprob(value, rank)  # the sampled token last, unless it is one of the top k
+    return entry
 
 
 class Sampler(nn.Module):
@@ -127,11 +137,11 @@ class Sampler(nn.Module):
             all_logprobs = logits.log_softmax(dim=-1)
             top = all_logprobs.topk(params.num_logprobs, dim=-1)
             chosen = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            chosen_rank = (all_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
             # the batch computed as many as its greediest row asked for; each row keeps its own k and its token
             per_row = params.logprobs_per_row or [params.num_logprobs] * logits.size(0)
-            logprobs = [None if k is None else {**dict(zip(ids[:k], values[:k])), token: value}
-                        for k, ids, values, token, value in zip(per_row, top.indices.tolist(),
-                                                                top.values.tolist(), tokens.tolist(), chosen.tolist())]
+            logprobs = [_row_logprobs(*row) for row in zip(per_row, top.indices.tolist(), top.values.tolist(),
+                                                            tokens.tolist(), chosen.tolist(), chosen_rank.tolist())]
         return SamplerOutput(tokens, logprobs)
 
     def _sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
