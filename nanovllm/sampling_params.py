@@ -6,6 +6,11 @@ class SamplingParams:
     """How one request is sampled and when it stops: vLLM's SamplingParams, keyword-only, with vLLM's names and
     defaults for the fields it has. Every field is checked when set, at construction or later.
 
+    n: how many completions to sample for the prompt (they share its prefill through the prefix cache).
+    presence_penalty: subtracted from the logit of every token already in the output ([-2, 2], 0: off).
+    frequency_penalty: subtracted once per occurrence of a token in the output ([-2, 2], 0: off).
+    repetition_penalty: divides positive logits and multiplies negative ones of every token in the prompt or
+        the output (> 0, 1: off). The penalties apply in that order (repetition first), before temperature.
     temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
     top_k: keep only the k most likely tokens (0 or -1: off; above the vocabulary: all).
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p (1: off).
@@ -23,6 +28,10 @@ class SamplingParams:
     include_stop_str_in_output: keep the stop string at the end of the output text.
     """
 
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -61,6 +70,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
+        _check("n", self.n, _integer(self.n) and self.n >= 1, "a positive integer")
+        _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]")
+        _check("frequency_penalty", self.frequency_penalty, -2.0 <= _number(self.frequency_penalty) <= 2.0,
+               "[-2, 2]")
+        _check("repetition_penalty", self.repetition_penalty, 0.0 < _number(self.repetition_penalty) <= 100.0,
+               "(0, 100]")
         _check("temperature", self.temperature, 0.0 <= _number(self.temperature) <= 100.0, "[0, 100]")
         _check("top_k", self.top_k, _integer(self.top_k) and self.top_k >= -1,
                "-1, 0 (off) or a positive integer below 2**63")

@@ -5,6 +5,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from hf_reference import assert_no_leaks, hf_greedy
 from test_e2e_transformers import random_prompts
 
@@ -124,3 +125,85 @@ def test_other_architectures_are_refused_by_name(tiny_model, tmp_path):
                                          r"model_type='llama'; supported: \['Qwen3ForCausalLM'\]"):
         LLM(str(path))
     assert os.path.isdir(path)
+
+
+def greedy_with_penalties(hf_model, prompt: list[int], steps: int, presence: float, frequency: float,
+                          repetition: float) -> list[int]:
+    """vLLM's formulas on transformers' logits, one greedy token at a time: the plain reference."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = hf_model(torch.tensor([tokens])).logits[0, -1].float()
+            output = torch.tensor(tokens[len(prompt):], dtype=torch.long)
+            counts = torch.zeros_like(logits).index_add_(0, output, torch.ones(len(output)))
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[torch.tensor(tokens)] = True
+            logits = torch.where(seen, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+            logits = logits - frequency * counts - presence * (counts > 0)
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_penalties_on_greedy_paths_equal_the_reference(tiny_model, hf_model, async_scheduling):
+    prompts = random_prompts([40, 300, 7], seed=54, vocab=50)  # a small alphabet: tokens repeat
+    # values that favour repetition, so each visibly changes what a random model generates; then a mix
+    cases = [dict(repetition_penalty=0.5), dict(presence_penalty=-2.0), dict(frequency_penalty=-1.0),
+             dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)]
+    # a small cache: preemption recomputes a request and rebuilds its history
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=30, async_scheduling=async_scheduling) as llm:
+        for case in cases:
+            params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **case)
+            outputs = llm.generate(prompts + [prompts[0]], [params] * 3 + [SamplingParams(
+                temperature=0, max_tokens=16, ignore_eos=True)], use_tqdm=False)
+            for prompt, out in zip(prompts, outputs):
+                expected = greedy_with_penalties(hf_model, prompt, 16, case.get("presence_penalty", 0.0),
+                                                 case.get("frequency_penalty", 0.0),
+                                                 case.get("repetition_penalty", 1.0))
+                assert out.outputs[0].token_ids == expected, case
+            # the unpenalised row in the same batch is untouched, and the penalty changed the penalised one
+            assert outputs[3].outputs[0].token_ids == hf_greedy(hf_model, prompts[0], 16)
+            if case is not cases[-1]:
+                assert outputs[3].outputs[0].token_ids != outputs[0].outputs[0].token_ids, case
+        assert_no_leaks(llm)
+
+
+def test_repetition_penalty_equals_transformers(llm, hf_model):
+    prompt = random_prompts([30], seed=55, vocab=40)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                repetition_penalty=1.3), use_tqdm=False)[0]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                                     do_sample=False, repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)
+    assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+
+
+def test_n_samples_share_the_prompt_and_are_distinct_and_reproducible(llm):
+    prompt = random_prompts([600], seed=56)[0]  # two full 256-token blocks to share
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    bm = llm.scheduler.block_manager
+    allocate, cached = bm.allocate, []
+    bm.allocate = lambda seq: (allocate(seq), cached.append(seq.num_cached_tokens))
+    try:
+        first = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        bm.allocate = allocate
+    again = llm.generate([prompt], params, use_tqdm=False)
+    assert len(first) == 1 and [c.index for c in first[0].outputs] == [0, 1, 2, 3]
+    samples = [tuple(c.token_ids) for c in first[0].outputs]
+    assert len(set(samples)) == 4 and samples == [tuple(c.token_ids) for c in again[0].outputs]
+    assert cached[0] == 0 and cached[1:] == [512, 512, 512]  # the prompt's full blocks are computed once
+    assert_no_leaks(llm)
+
+
+def test_default_sampling_params_from_generation_config(tiny_model, tmp_path):
+    path = tmp_path / "with-defaults"
+    shutil.copytree(tiny_model, path)
+    config_path = path / "generation_config.json"
+    generation = json.loads(config_path.read_text()) if config_path.exists() else {}
+    generation.update(temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=40)
+    config_path.write_text(json.dumps(generation))
+    with LLM(str(path), num_kvcache_blocks=8) as llm:
+        defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.6, 20, 0.95, 40)

@@ -1,5 +1,7 @@
 import atexit
 import gc
+import json
+import os
 import threading
 from collections.abc import Iterable
 from time import perf_counter
@@ -10,7 +12,7 @@ from tqdm.auto import tqdm
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompts
+from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompts, samples_of
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
@@ -79,6 +81,17 @@ class LLMEngine:
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling defaults the checkpoint's generation_config.json recommends (as vLLM's), else vLLM's."""
+        path = os.path.join(self.config.model, "generation_config.json")
+        if not os.path.exists(path):
+            return SamplingParams()
+        with open(path) as f:
+            generation = json.load(f)
+        names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return SamplingParams(**{ours: generation[theirs] for theirs, ours in names.items() if theirs in generation})
 
     # --- requests ----------------------------------------------------------------------------------------
     def check_params(self, params: SamplingParams) -> None:
@@ -177,7 +190,9 @@ class LLMEngine:
         if not parsed:
             return []
         with self._lock:
-            seqs = [self.make_sequence(prompt, p) for (_, prompt), p in zip(parsed, params)]
+            # n samples of one prompt are n requests; identical prompts in one batch share their full blocks
+            seqs = [self.make_sequence(prompt, sample) for (_, prompt), p in zip(parsed, params)
+                    for sample in samples_of(p)]
             bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
             try:
                 for seq in seqs:
@@ -189,7 +204,11 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
-        return [self._output(seq, text) for seq, (text, _) in zip(seqs, parsed)]
+        outputs, first = [], 0
+        for (text, _), p in zip(parsed, params):
+            outputs.append(self._output(seqs[first: first + p.n], text))
+            first += p.n
+        return outputs
 
     def _run(self, seqs: list[Sequence], bar: tqdm) -> None:
         prefill_throughput = decode_throughput = 0.0
@@ -207,7 +226,12 @@ class LLMEngine:
             done = finished
             bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
 
-    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+    def _output(self, samples: list[Sequence], prompt: str | None) -> RequestOutput:
+        completions = [self._completion(index, seq) for index, seq in enumerate(samples)]
+        first = samples[0]
+        return RequestOutput(str(first.seq_id), prompt, first.token_ids[: first.num_prompt_tokens], completions)
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
         logprobs = cumulative = None
         if seq.params.logprobs is not None:
             logprobs = seq.logprobs
@@ -215,6 +239,5 @@ class LLMEngine:
                 for token_id, entry in position.items():
                     entry.decoded_token = self.detokenizer.token_text(token_id)
             cumulative = sum(position[token].logprob for position, token in zip(logprobs, seq.completion_token_ids))
-        completion = CompletionOutput(0, self.detokenizer.output_text(seq), seq.completion_token_ids, cumulative,
-                                      logprobs, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(str(seq.seq_id), prompt, seq.token_ids[: seq.num_prompt_tokens], [completion])
+        return CompletionOutput(index, self.detokenizer.output_text(seq), seq.completion_token_ids, cumulative,
+                                logprobs, seq.finish_reason, seq.stop_reason)

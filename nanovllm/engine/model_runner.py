@@ -158,7 +158,7 @@ class ModelRunner:
             graph_size = self.graphs.size_for(len(seqs)) if self.graphs is not None else None
             buffer = self.graphs.input_buffer if graph_size is not None else None
             input_ids, positions = self.inputs.decode(seqs, previous, graph_size or len(seqs), buffer)
-        sampling = self.sampler.prepare(seqs) if self.rank == 0 else None
+        sampling = self.sampler.prepare(seqs, None if step.is_prefill else input_ids) if self.rank == 0 else None
         try:
             if graph_size is not None:
                 hidden_states = self.graphs.replay(graph_size, len(seqs))

@@ -1,5 +1,6 @@
 """The prompt forms generate() accepts, as vLLM's LLM.generate does."""
 from collections.abc import Iterable
+from dataclasses import replace
 
 import numpy as np
 
@@ -65,3 +66,12 @@ def broadcast_params(params: SamplingParams | list[SamplingParams] | None, count
     if bad is not None:
         raise TypeError(f"sampling_params[{bad}] is a {type(params[bad]).__name__}, not a SamplingParams")
     return list(params)
+
+
+def samples_of(params: SamplingParams) -> list[SamplingParams]:
+    """The n requests behind params.n: each samples once; with a seed, each from its own derived stream, so the
+    samples differ from each other and repeat from run to run."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else (params.seed * 1_000_033 + i) % 2**63)
+            for i in range(params.n)]

@@ -7,6 +7,7 @@ from torch import nn
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.gumbel_max import gumbel_max_sample
+from nanovllm.layers.penalties import PenaltyTensors, has_penalties
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
@@ -25,6 +26,7 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out (min_tokens)
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
     logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
+    penalties: PenaltyTensors | None = None  # applied to the logits first
 
     @property
     def temperature_only(self) -> bool:
@@ -99,10 +101,13 @@ class Sampler(nn.Module):
         self.generator: torch.Generator | None = None
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
 
-    def prepare(self, seqs: list[Sequence]) -> SamplingTensors:
+    def prepare(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
+        """fed_token_ids: a decode step's input ids on the device (the tokens the penalties count last)."""
         params = [seq.params for seq in seqs]
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
         tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
+        if any(map(has_penalties, params)):
+            tensors.penalties = PenaltyTensors.build(seqs, fed_token_ids, self.device)
         if all(map(temperature_only, params)):  # the per-step common case
             return tensors
         if any(p.top_k > 0 for p in params):
@@ -125,16 +130,20 @@ class Sampler(nn.Module):
         return tensors
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        model_logits = logits
+        if params.penalties is not None:
+            logits = params.penalties.apply(logits)
         if params.temperature_only:  # the common case: one fused kernel
             return SamplerOutput(self._sample_plain(logits, params.temperatures))
-        logits = logits.float()
+        logits = logits.float().clone() if params.banned is not None else logits.float()
         if params.banned is not None:
             logits[params.banned] = float("-inf")
         tokens = self._sample(logits, params)
         logprobs = None
         if params.num_logprobs is not None:
-            # logprobs of the model's own distribution, as vLLM reports them: before temperature and filters
-            all_logprobs = logits.log_softmax(dim=-1)
+            # logprobs of the model's own distribution, as vLLM reports them by default: before penalties,
+            # min_tokens masking, temperature and filters
+            all_logprobs = model_logits.float().log_softmax(dim=-1)
             top = all_logprobs.topk(params.num_logprobs, dim=-1)
             chosen = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
             chosen_rank = (all_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
