@@ -151,3 +151,33 @@ def test_tensor_parallel_listens_on_loopback_only_and_not_after_exit(tiny_model)
     assert all(is_loopback(address) for address, _ in during), during
     llm.exit()
     assert listening_sockets([os.getpid()]) - before == set()
+
+
+def test_a_failed_step_on_rank_0_stops_the_engine_instead_of_hanging(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=8, tensor_parallel_size=2)
+    forward, calls = llm.model_runner.sampler.forward, []
+
+    def failing_forward(*args):
+        calls.append(1)
+        if len(calls) == 3:  # after the logits gather, before the broadcast the workers wait in
+            raise ValueError("injected")
+        return forward(*args)
+
+    llm.model_runner.sampler.forward = failing_forward
+    with pytest.raises(RuntimeError, match="a tensor-parallel step failed on rank 0; the engine has exited"):
+        llm.generate(random_prompts([30, 40], seed=3), GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="this LLM has exited"):
+        llm.generate(random_prompts([30], seed=3), GREEDY, use_tqdm=False)
+    assert_released(llm)
+
+
+def test_missing_tokenizer_fails_before_any_worker_starts(tiny_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model, path, ignore=shutil.ignore_patterns("tokenizer*", "vocab*", "merges*",
+                                                                    "special_tokens*"))
+    children = set(torch.multiprocessing.active_children())
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        LLM(str(path), num_kvcache_blocks=8, tensor_parallel_size=2)
+    assert set(torch.multiprocessing.active_children()) == children

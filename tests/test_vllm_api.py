@@ -207,3 +207,15 @@ def test_default_sampling_params_from_generation_config(tiny_model, tmp_path):
     with LLM(str(path), num_kvcache_blocks=8) as llm:
         defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.6, 20, 0.95, 40)
+
+
+def test_a_stop_string_inside_min_tokens_does_not_stop_later(llm):
+    """vLLM checks stop strings on new text once min_tokens is reached: an occurrence completed earlier neither
+    stops the request later nor moves where its text is cut."""
+    prompt = random_prompts([30], seed=57)[0]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    first_two = llm.tokenizer.decode(free.outputs[0].token_ids[:2])
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, min_tokens=4,
+                                                stop=[first_two]), use_tqdm=False)[0].outputs[0]
+    assert first_two not in llm.tokenizer.decode(free.outputs[0].token_ids[2:])  # no later occurrence
+    assert out.finish_reason == "length" and out.token_ids == free.outputs[0].token_ids

@@ -17,7 +17,8 @@ class LayerKV:
 
 
 class AttentionBackend:
-    """Base for the backends in nanovllm.attention; subclasses fill in `store`, `prefill` and `decode`."""
+    """Base for the backends in nanovllm.attention: each provides `store`, `prefill` and `decode` (the triton
+    backend takes flash_attn's store and prefill and replaces rope_and_store and decode)."""
 
     name = ""
     uses_cuda = True

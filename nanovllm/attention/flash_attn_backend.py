@@ -36,7 +36,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping
 
 
 class FlashAttnBackend(AttentionBackend):
-    """The design card's path: Triton store_kvcache, flash-attn varlen prefill (paged when a prefix is cached)
+    """The reference nano-vllm's path: Triton store_kvcache, flash-attn varlen prefill (paged when a prefix is cached)
     and flash-attn's paged decode (flash_attn_with_kvcache)."""
 
     name = "flash_attn"

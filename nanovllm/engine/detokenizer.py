@@ -10,23 +10,26 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def stop_string_at(self, seq: Sequence, index: int) -> str | None:
-        """The stop string that the text up to the token at `index` has just completed, if any."""
+        """The stop string that the token at `index` has just completed, if any: one that ends in that token's
+        text, not one already complete before it (which min_tokens let pass, as vLLM does)."""
         stop = seq.params.stop
         if not stop:
             return None
         # a stop string spans at most as many tokens as it has characters; a few more cover partial bytes
         window = max(len(s) for s in stop) + 8
-        tail = self.tokenizer.decode(seq.token_ids[max(seq.num_prompt_tokens, index + 1 - window): index + 1])
-        return next((s for s in stop if s in tail), None)
+        first = max(seq.num_prompt_tokens, index + 1 - window)
+        tail = self.tokenizer.decode(seq.token_ids[first: index + 1])
+        before = self.tokenizer.decode(seq.token_ids[first: index])
+        return next((s for s in stop if s in tail and s not in before), None)
 
     def output_text(self, seq: Sequence) -> str:
         params = seq.params
         text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=params.skip_special_tokens)
-        found = min(((text.find(s), s) for s in params.stop if s in text), default=None)
-        if isinstance(seq.stop_reason, str) and found is not None:
-            # the text ends before the first stop string, or with it (the token ids keep the token that
-            # completed it either way)
-            start, stop = found
+        stop = seq.stop_reason
+        if isinstance(stop, str) and stop in text:
+            # the text ends before the stop string that finished the request (its last occurrence: earlier ones
+            # fell inside min_tokens), or with it; the token ids keep the token that completed it either way
+            start = text.rfind(stop)
             text = text[: start + len(stop) if params.include_stop_str_in_output else start]
         return text
 

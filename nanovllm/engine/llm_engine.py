@@ -9,6 +9,7 @@ from time import perf_counter
 import torch
 from tqdm.auto import tqdm
 
+from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
@@ -31,6 +32,10 @@ class LLMEngine:
         self.config = config
         self.workers = None
         self._exited = True  # until there is something to release
+        # everything that can be checked without the model, before any process or memory is taken
+        make_attention_backend(config.attention_backend, torch.cuda.is_available()).check_block_size(
+            config.kvcache_block_size)
+        self.tokenizer = load_tokenizer(config.model)
         if config.tensor_parallel_size > 1:
             if torch.cuda.is_available() and torch.cuda.device_count() < config.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
@@ -53,7 +58,6 @@ class LLMEngine:
             finally:
                 self.workers.close(timeout=5)
             raise
-        self.tokenizer = load_tokenizer(config.model)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
@@ -124,16 +128,11 @@ class LLMEngine:
                              f"holds only {num_blocks} blocks of {self.config.kvcache_block_size} tokens")
         return seq
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        seq = self.make_sequence(prompt, params)
-        self.scheduler.add(seq)
-        return seq
-
     # --- steps -------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
-        """Schedule and launch one batch. With async scheduling the step launched before it completes only now,
-        while the device works on the new one, which hides the host's bookkeeping (postprocess, scheduling,
-        input preparation) behind device time. Returns the batch and its token count (negative for decode)."""
+        """Schedule and launch one batch, then complete the batch launched before it (async scheduling: its
+        tokens are read back while the device works on the new one, which hides the host's bookkeeping behind
+        device time). Returns the batch and its token count (negative for decode)."""
         # A prefill overlaps with the step in flight as a decode does: it feeds known prompt tokens (a request
         # preempted while its token was in flight gets that token when the step completes, which is before the
         # next schedule() can admit it again).
@@ -149,9 +148,16 @@ class LLMEngine:
             self.model_runner.launch(step, previous)
         else:
             self.workers.check_alive()  # a dead peer would leave rank 0 waiting in a collective
-            with deferred_interrupt():
-                self.workers.launch(step)
-                self.model_runner.launch(step, previous)
+            try:
+                with deferred_interrupt():
+                    self.workers.launch(step)
+                    self.model_runner.launch(step, previous)
+            except Exception as error:
+                # the workers may be waiting in a collective that rank 0 never reached: they are out of step
+                # for good, so they are stopped and the engine shuts down rather than hang in the next call
+                self.workers.join(timeout=0)
+                self.exit()
+                raise RuntimeError("a tensor-parallel step failed on rank 0; the engine has exited") from error
         self.scheduler.advance(step)
         self._complete(previous)
         if self.config.async_scheduling:

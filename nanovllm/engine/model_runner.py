@@ -34,7 +34,6 @@ class ModelRunner:
         self.use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", rank) if self.use_cuda else torch.device("cpu")
         self.backend = make_attention_backend(config.attention_backend, self.use_cuda)
-        self.backend.check_block_size(self.block_size)
         if self.use_cuda:
             torch.cuda.set_device(self.device)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
@@ -60,7 +59,7 @@ class ModelRunner:
         self.allocate_kv_cache()
         reach("allocated")
         self.graphs = None
-        if not (config.enforce_eager or not self.use_cuda):
+        if self.use_cuda and not config.enforce_eager:
             self.graphs = CUDAGraphs(self.model, self.max_batch, self.inputs.max_blocks_per_seq,
                                      hf_config.hidden_size, self.dtype, self.device)
 

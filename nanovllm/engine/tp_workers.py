@@ -73,7 +73,7 @@ class Workers:
         self.store.set(self.shm_name, "ready")
 
     def send(self, method: str, *args) -> None:
-        self.channel.send(self.events, method, *args)
+        self.channel.send(self.events, method, *args, check_alive=self.check_alive)
 
     def launch(self, step: Step) -> None:
         self.send("launch", step.seqs, step.is_prefill)

@@ -9,13 +9,9 @@ class Attention(nn.Module):
     """One layer's paged attention: rotary embedding (and Qwen3's q/k norms), this step's K/V into the cache, then
     prefill or decode attention, all through the engine's attention backend."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 backend: AttentionBackend) -> None:
+    def __init__(self, scale: float, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = head_dim
         self.scale = scale
-        self.num_kv_heads = num_kv_heads
         self.backend = backend
         self.cache: LayerKV | None = None  # set by the model runner once the KV cache is allocated
 

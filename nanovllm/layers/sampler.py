@@ -74,7 +74,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch
     return logits
 
 
-def temperature_only(params: SamplingParams) -> bool:
+def samples_with_temperature_only(params: SamplingParams) -> bool:
     """Whether temperature is all the sampler must apply for these params (the fused kernel's case)."""
     return (params.top_k <= 0 and params.top_p == 1.0 and params.min_p == 0.0 and params.min_tokens == 0
             and (params.seed is None or params.temperature == 0) and params.logprobs is None)
@@ -108,7 +108,7 @@ class Sampler(nn.Module):
         tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
         if any(map(has_penalties, params)):
             tensors.penalties = PenaltyTensors.build(seqs, fed_token_ids, self.device)
-        if all(map(temperature_only, params)):  # the per-step common case
+        if all(map(samples_with_temperature_only, params)):  # the per-step common case
             return tensors
         if any(p.top_k > 0 for p in params):
             tensors.top_k = as_tensor([max(p.top_k, 0) for p in params], np.int64)
@@ -147,7 +147,7 @@ class Sampler(nn.Module):
             top = all_logprobs.topk(params.num_logprobs, dim=-1)
             chosen = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
             chosen_rank = (all_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-            # the batch computed as many as its greediest row asked for; each row keeps its own k and its token
+            # the batch computed the largest k any row asked for; each row keeps its own k and its token
             per_row = params.logprobs_per_row or [params.num_logprobs] * logits.size(0)
             logprobs = [_row_logprobs(*row) for row in zip(per_row, top.indices.tolist(), top.values.tolist(),
                                                             tokens.tolist(), chosen.tolist(), chosen_rank.tolist())]

@@ -40,8 +40,11 @@ class TensorParallelGroup:
     def close(self) -> None:
         """Shut the process group down, closing its connections to the other ranks."""
         if self.pg is not None:
-            self.pg.shutdown()
-            self.pg = None
+            pg, self.pg = self.pg, None
+            try:
+                pg.shutdown()
+            except RuntimeError:
+                pass  # a peer already gone can fail the goodbye; the group is dropped all the same
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
