@@ -25,41 +25,44 @@ class PenaltyTensors:
     repetition: torch.Tensor  # [rows] float32, 1 = off
     presence: torch.Tensor  # [rows], 0 = off
     frequency: torch.Tensor  # [rows], 0 = off
-    prompt_tokens: tuple[torch.Tensor, torch.Tensor]  # (rows, token ids) of every prompt token
-    output_tokens: tuple[torch.Tensor, torch.Tensor]  # (rows, token ids) of every output token known on the host
+    token_ids: torch.Tensor  # every row's tokens known on the host, row after row
+    lengths: torch.Tensor  # [rows]: how many of them are each row's
+    prompt_lengths: torch.Tensor  # [rows]: how many of those are its prompt
     fed_token_ids: torch.Tensor | None  # decode: the token each row feeds this step (an output token)
 
     @classmethod
     def build(cls, seqs: list[Sequence], fed_token_ids: torch.Tensor | None,
               device: torch.device) -> "PenaltyTensors":
+        """Host work is a copy of each row's tokens: the rest is computed on the device (this runs every step)."""
         params = [seq.params for seq in seqs]
-        prompt_rows, prompt_ids, output_rows, output_ids = [], [], [], []
-        for row, seq in enumerate(seqs):
-            # decode feeds the last token, possibly still PENDING here: it comes from fed_token_ids instead
-            known = len(seq) - (fed_token_ids is not None)
-            history = token_history(seq, known)
-            prompt_ids.append(history[: seq.num_prompt_tokens])
-            output_ids.append(history[seq.num_prompt_tokens:])
-            prompt_rows.append(np.full(len(prompt_ids[-1]), row))
-            output_rows.append(np.full(len(output_ids[-1]), row))
+        # decode feeds the last token, possibly still PENDING here: it comes from fed_token_ids instead
+        histories = [token_history(seq, len(seq) - (fed_token_ids is not None)) for seq in seqs]
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), device)  # noqa: E731
-        flat = lambda parts: to_device(np.concatenate(parts).astype(np.int64), device)  # noqa: E731
         return cls(as_tensor([p.repetition_penalty for p in params], np.float32),
                    as_tensor([p.presence_penalty for p in params], np.float32),
                    as_tensor([p.frequency_penalty for p in params], np.float32),
-                   (flat(prompt_rows), flat(prompt_ids)), (flat(output_rows), flat(output_ids)), fed_token_ids)
+                   to_device(np.concatenate(histories), device), as_tensor(list(map(len, histories)), np.int64),
+                   as_tensor([seq.num_prompt_tokens for seq in seqs], np.int64), fed_token_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        rows = logits.size(0)
-        prompt_seen = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        prompt_seen.index_put_(self.prompt_tokens, torch.ones((), dtype=torch.bool, device=logits.device))
-        counts = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
-        counts.index_put_(self.output_tokens, torch.ones((), dtype=torch.int32, device=logits.device), accumulate=True)
+        rows, vocab = logits.shape
+        device = logits.device
+        total = self.token_ids.numel()  # known on the host: no device sync for the sizes below
+        row = torch.repeat_interleave(torch.arange(rows, device=device), self.lengths, output_size=total)
+        starts = torch.repeat_interleave(self.lengths.cumsum(0) - self.lengths, self.lengths, output_size=total)
+        in_prompt = torch.arange(total, device=device) - starts < self.prompt_lengths[row]
+        slots = row * vocab + self.token_ids
+        # index_add_ adds with atomics (index_put_ with accumulate would sort); masks become 0/1 addends, since
+        # selecting by mask would wait for the device to count them
+        prompt_counts = torch.zeros(rows * vocab, dtype=torch.int32, device=device)
+        prompt_counts.index_add_(0, slots, in_prompt.int())
+        counts = torch.zeros(rows * vocab, dtype=torch.int32, device=device)
+        counts.index_add_(0, slots, (~in_prompt).int())
         if self.fed_token_ids is not None:
-            fed_rows = torch.arange(rows, device=logits.device)
-            counts.index_put_((fed_rows, self.fed_token_ids[:rows].long()),
-                              torch.ones((), dtype=torch.int32, device=logits.device), accumulate=True)
-        return apply_penalties(logits.float(), prompt_seen, counts, self.repetition, self.presence, self.frequency)
+            fed = torch.arange(rows, device=device) * vocab + self.fed_token_ids[:rows].long()
+            counts.index_add_(0, fed, torch.ones_like(fed, dtype=torch.int32))
+        return apply_penalties(logits.float(), prompt_counts.view(rows, vocab) > 0, counts.view(rows, vocab),
+                               self.repetition, self.presence, self.frequency)
 
 
 @fused
