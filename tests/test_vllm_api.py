@@ -147,6 +147,8 @@ def greedy_with_penalties(hf_model, prompt: list[int], steps: int, presence: flo
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_penalties_on_greedy_paths_equal_the_reference(tiny_model, hf_model, async_scheduling):
     prompts = random_prompts([40, 300, 7], seed=54, vocab=50)  # a small alphabet: tokens repeat
+    # a prompt holding the tokens its own continuation produces: one token in both prompt and output
+    prompts[2] += hf_greedy(hf_model, prompts[2], 16)[4:12]
     # values that favour repetition, so each visibly changes what a random model generates; then a mix
     cases = [dict(repetition_penalty=0.5), dict(presence_penalty=-2.0), dict(frequency_penalty=-1.0),
              dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5)]

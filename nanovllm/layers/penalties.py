@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers import fused
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -45,34 +44,36 @@ class PenaltyTensors:
                    as_tensor([seq.num_prompt_tokens for seq in seqs], np.int64), fed_token_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Touches only the logits of tokens a row has seen: repetition and presence are written as values
+        computed from the logits before them, so a token listed twice gets the same value twice; frequency is
+        added once per listing in the output, which is its definition."""
         rows, vocab = logits.shape
         device = logits.device
         total = self.token_ids.numel()  # known on the host: no device sync for the sizes below
         row = torch.repeat_interleave(torch.arange(rows, device=device), self.lengths, output_size=total)
         starts = torch.repeat_interleave(self.lengths.cumsum(0) - self.lengths, self.lengths, output_size=total)
-        in_prompt = torch.arange(total, device=device) - starts < self.prompt_lengths[row]
+        listed_in_output = torch.arange(total, device=device) - starts >= self.prompt_lengths[row]
         slots = row * vocab + self.token_ids
-        # index_add_ adds with atomics (index_put_ with accumulate would sort); masks become 0/1 addends, since
-        # selecting by mask would wait for the device to count them
-        prompt_counts = torch.zeros(rows * vocab, dtype=torch.int32, device=device)
-        prompt_counts.index_add_(0, slots, in_prompt.int())
-        counts = torch.zeros(rows * vocab, dtype=torch.int32, device=device)
-        counts.index_add_(0, slots, (~in_prompt).int())
         if self.fed_token_ids is not None:
-            fed = torch.arange(rows, device=device) * vocab + self.fed_token_ids[:rows].long()
-            counts.index_add_(0, fed, torch.ones_like(fed, dtype=torch.int32))
-        return apply_penalties(logits.float(), prompt_counts.view(rows, vocab) > 0, counts.view(rows, vocab),
-                               self.repetition, self.presence, self.frequency)
-
-
-@fused
-def apply_penalties(logits: torch.Tensor, prompt_seen: torch.Tensor, counts: torch.Tensor, repetition: torch.Tensor,
-                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    in_output = counts > 0
-    repetition = repetition.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(prompt_seen | in_output, penalised, logits)
-    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * in_output
+            fed_rows = torch.arange(rows, device=device)
+            slots = torch.cat([slots, fed_rows * vocab + self.fed_token_ids[:rows].long()])
+            row = torch.cat([row, fed_rows])
+            listed_in_output = torch.cat([listed_in_output, torch.ones(rows, dtype=torch.bool, device=device)])
+        flat = logits.float().flatten()
+        if flat.data_ptr() == logits.data_ptr():
+            flat = flat.clone()  # float32 logits: the caller's tensor stays as the model produced it
+        # a token of the prompt may be in the output too: whether it is, for each listing, from a byte per logit
+        output_marks = torch.zeros(rows * vocab, dtype=torch.int8, device=device)
+        output_marks.scatter_reduce_(0, slots, listed_in_output.to(torch.int8), reduce="amax")
+        in_output = output_marks[slots].bool()
+        seen = flat[slots]
+        repetition = self.repetition[row]
+        seen = torch.where(seen > 0, seen / repetition, seen * repetition)
+        # every listing of a token writes the same value, so duplicates agree
+        flat[slots] = seen - torch.where(in_output, self.presence[row], 0.0)
+        # frequency counts the output's listings only
+        flat.index_add_(0, slots, -torch.where(listed_in_output, self.frequency[row], 0.0))
+        return flat.view(rows, vocab)
 
 
 def token_history(seq: Sequence, length: int) -> np.ndarray:
