@@ -1,0 +1,296 @@
+"""`nanovllm run-batch -i IN.jsonl -o OUT.jsonl --model PATH`: OpenAI batch-format requests through the engine.
+
+Each input line is {"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body"}.
+Lines are read lazily and streamed into LLM.iter_generate, and each result line is written and flushed the moment
+its request finishes, so memory holds the custom_ids and the requests in flight, never the file.
+
+A bad line (not JSON, no custom_id, an unknown url, an unsupported or invalid field, a prompt too long for the
+model) gets an error record and the run goes on. A body field that would change the result and that is not
+supported is an error for its line, never silently ignored.
+
+Resumable: run the same command again and it answers only the custom_ids missing from the output file (success
+and error records both count as answered), so in the end each appears exactly once, also after a SIGKILL in the
+middle of a write: see nanovllm.batch_io for the guarantee.
+"""
+import argparse
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from nanovllm import batch_io
+from nanovllm.batch_io import Done, LineError
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# body field -> SamplingParams field, for fields both endpoints take as they are
+SAMPLING_FIELDS = {name: name for name in (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+    "include_stop_str_in_output")}
+IGNORED_FIELDS = {"model", "user"}  # they name things; the result does not depend on them
+OWN_FIELDS = {COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
+              CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                     "chat_template_kwargs"}}
+# fields we do not support, accepted only at the value that changes nothing
+NEUTRAL_VALUES = {"stream": (None, False), "stream_options": (None,), "echo": (None, False), "suffix": (None, ""),
+                  "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+                  "response_format": (None, {"type": "text"})}
+ENGINE_FLAGS: dict[str, type] = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+                                 "gpu_memory_utilization": float, "tensor_parallel_size": int,
+                                 "kvcache_block_size": int, "num_kvcache_blocks": int, "attention_backend": str,
+                                 "max_logprobs": int}
+
+
+@dataclass
+class Pending:
+    """What writing one request's result needs once it finishes; held only while it is in flight."""
+
+    custom_id: str
+    line: int
+    chat: bool
+    top_logprobs: int | None  # chat: how many alternatives to list per token
+
+
+@dataclass
+class Stats:
+    succeeded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vllm command line")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser("run-batch", help="run an OpenAI batch-format JSONL file of requests",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("-i", "--input-file", required=True, help="requests, one JSON object per line")
+    run.add_argument("-o", "--output-file", required=True, help="results; appended to, and resumed from, if present")
+    run.add_argument("--model", required=True, help="local checkpoint directory")
+    # engine options default to SUPPRESS so only the flags given reach LLM() and the engine's defaults hold
+    for name, kind in ENGINE_FLAGS.items():
+        run.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS)
+    run.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS)
+    run.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+    return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engine options the command line set; the others are absent (SUPPRESS), so the engine's defaults hold."""
+    return {name: getattr(args, name) for name in [*ENGINE_FLAGS, "enforce_eager", "async_scheduling"]
+            if hasattr(args, name)}
+
+
+def check_fields(body: dict, url: str) -> None:
+    """Refuse a body field we do not support unless its value changes nothing: never ignore one silently."""
+    known = SAMPLING_FIELDS.keys() | IGNORED_FIELDS | OWN_FIELDS[url]
+    for name, value in body.items():
+        if name not in known and not (name in NEUTRAL_VALUES and value in NEUTRAL_VALUES[name]):
+            raise LineError("unsupported_parameter", f"body field {name!r}={value!r} is not supported")
+
+
+def sampling_params(body: dict, url: str, defaults: dict, max_model_len: int, prompt_len: int) -> SamplingParams:
+    """The body's sampling fields as SamplingParams (LineError naming a bad one); `defaults` fill the gaps."""
+    options = {**defaults, **{ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
+                              if body.get(theirs) is not None}}
+    max_tokens = body.get("max_completion_tokens") if url == CHAT else None
+    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    # as OpenAI and vLLM: 16 for completions, the rest of the context for chat (the engine caps either there)
+    options["max_tokens"] = max_tokens if max_tokens is not None else 16 if url == COMPLETIONS else \
+        max_model_len - prompt_len
+    logprobs = body.get("logprobs")
+    if url == CHAT:
+        if logprobs not in (None, True, False):
+            raise LineError("invalid_request", f"logprobs must be true or false for chat, got {logprobs!r}")
+        if body.get("top_logprobs") is not None and not logprobs:
+            raise LineError("invalid_request", "top_logprobs needs logprobs: true")
+        logprobs = (body.get("top_logprobs") or 0) if logprobs else None
+    options["logprobs"] = logprobs
+    try:
+        return SamplingParams(**options)
+    except (ValueError, TypeError) as error:
+        raise LineError("invalid_request", str(error)) from None
+
+
+def prompt_of(body: dict, url: str, llm: LLM) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids; LineError where the body's prompt is unusable."""
+    if url == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, prompt
+        if not isinstance(prompt, str):
+            raise LineError("invalid_request", "prompt must be a string or a list of token ids (one prompt per "
+                                               f"line), got {type(prompt).__name__}")
+        text = prompt
+    else:
+        messages, kwargs = body.get("messages"), body.get("chat_template_kwargs")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise LineError("invalid_request", "messages must be a non-empty list of message objects")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise LineError("invalid_request", "chat_template_kwargs must be an object")
+        try:
+            text = llm.chat_prompt([_message(m) for m in messages], kwargs)
+        except LineError:
+            raise
+        except Exception as error:  # the template is user code: anything it raises is this line's error
+            raise LineError("invalid_request", f"chat template failed: {type(error).__name__}: {error}") from None
+    return text, llm.tokenizer.encode(text)
+
+
+def _message(message: dict) -> dict:
+    extra = sorted(set(message) - {"role", "content", "name"})
+    if extra:
+        raise LineError("unsupported_parameter", f"message fields {extra} are not supported")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise LineError("unsupported_parameter", "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(message.get("role"), str) or not isinstance(content, str):
+        raise LineError("invalid_request", "each message needs a string role and string (or text parts) content")
+    # name stays: a template may render it
+    return {"role": message["role"], "content": content, **({"name": message["name"]} if "name" in message else {})}
+
+
+class RequestSource:
+    """Turns input lines into (prompt, params) for iter_generate, writing error records for bad lines itself.
+
+    iter_generate takes prompts and params as two iterables pulled in step, so prompts() queues each request's
+    params for params() to hand over next, and remembers what writing its result needs under its input index."""
+
+    def __init__(self, path: str, done: Done, llm: LLM, on_error: Callable[[dict], None]) -> None:
+        self.path, self.done, self.llm, self.on_error = path, done, llm, on_error
+        self.pending: dict[int, Pending] = {}
+        self._params: deque[SamplingParams] = deque()
+        gen = llm.get_default_sampling_params()  # vLLM's defaults: the checkpoint's generation_config.json
+        self.defaults = {name: getattr(gen, name) for name in ("temperature", "top_k", "top_p", "min_p",
+                                                               "repetition_penalty")}
+
+    def prompts(self) -> Iterator[dict]:
+        index = 0
+        for line, raw in batch_io.input_lines(self.path):
+            custom_id = None
+            try:
+                request = batch_io.parse_line(raw)
+                custom_id = request["custom_id"]
+                if self.done.has(custom_id, line):
+                    continue
+                prompt, params, pending = self._request(request, custom_id, line)
+            except LineError as error:
+                if not self.done.has(custom_id, line):
+                    self.on_error(batch_io.error_record(custom_id, line, error.code, error.message))
+                continue
+            self.pending[index] = pending
+            self._params.append(params)
+            index += 1
+            yield prompt
+
+    def params(self) -> Iterator[SamplingParams]:
+        while True:
+            if not self._params:
+                raise RuntimeError("iter_generate pulled params ahead of their prompt")
+            yield self._params.popleft()
+
+    def _request(self, request: dict, custom_id: str, line: int) -> tuple[dict, SamplingParams, Pending]:
+        if request.get("method", "POST") != "POST":
+            raise LineError("invalid_request", f"method must be POST, got {request.get('method')!r}")
+        url, body = request.get("url"), request.get("body")
+        if url not in (COMPLETIONS, CHAT):
+            raise LineError("invalid_url", f"url {url!r} is not supported; use {COMPLETIONS} or {CHAT}")
+        if not isinstance(body, dict):
+            raise LineError("invalid_request", "the request has no body object")
+        check_fields(body, url)
+        text, token_ids = prompt_of(body, url, self.llm)
+        limit = self.llm.config.max_model_len
+        if len(token_ids) >= limit:
+            raise LineError("prompt_too_long", f"prompt of {len(token_ids)} tokens is not shorter than "
+                                               f"max_model_len={limit}, so no token could be generated")
+        params = sampling_params(body, url, self.defaults, limit, len(token_ids))
+        prompt = {"prompt_token_ids": token_ids} if text is None else {"prompt": text, "prompt_token_ids": token_ids}
+        return prompt, params, Pending(custom_id, line, url == CHAT, params.logprobs if url == CHAT else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    try:
+        scan = batch_io.scan_input(args.input_file)
+    except OSError as error:
+        return _fail(f"cannot read the input: {error}")
+    if scan.duplicates:  # before any work or output: a resumed run could not tell such requests apart
+        named = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates.items())
+        return _fail(f"duplicate custom_id(s) in {args.input_file}: {named}")
+    try:
+        done = batch_io.repair_output(args.output_file)
+    except (OSError, ValueError) as error:
+        return _fail(f"cannot resume from the output: {error}")
+    stats = Stats(skipped=len(scan.ids & done.ids) + sum(line in done.lines for line in scan.id_less_lines))
+    todo = scan.total - stats.skipped
+    del scan  # only `done` is needed from here on
+    if todo:  # nothing left: no model to load
+        try:
+            out = batch_io.OutputWriter(args.output_file)  # before the model: a bad path fails in a second
+        except OSError as error:
+            return _fail(f"cannot write the output: {error}")
+        with out:
+            try:
+                llm = LLM(args.model, **engine_options(args))
+            except (OSError, ValueError, TypeError) as error:  # engine options and checkpoint problems
+                return _fail(f"cannot load the model: {type(error).__name__}: {error}")
+            with llm:
+                try:
+                    _generate(args, llm, out, done, todo, stats)
+                except KeyboardInterrupt:  # every finished result is on disk already
+                    _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
+                          f"command again to resume")
+                    return 130
+    print(f"nanovllm run-batch: {stats.succeeded} succeeded, {stats.failed} failed, {stats.skipped} skipped "
+          f"(already done); {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated tokens; "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, done: Done, todo: int,
+              stats: Stats) -> None:
+    with tqdm(total=todo, desc="run-batch", unit="req", dynamic_ncols=True) as bar:
+        def finish(record: dict) -> None:
+            out.write(record)
+            elapsed = max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix({"prompt": f"{stats.prompt_tokens / elapsed:.0f}tok/s",
+                             "gen": f"{stats.generated_tokens / elapsed:.0f}tok/s"}, refresh=False)
+            bar.update(1)
+
+        def line_error(record: dict) -> None:
+            stats.failed += 1
+            finish(record)
+
+        source = RequestSource(args.input_file, done, llm, line_error)
+        for index, result in llm.iter_generate(source.prompts(), source.params(), errors="yield"):
+            pending = source.pending.pop(index)
+            if isinstance(result, Exception):  # the engine's own checks: vocabulary, max_logprobs, KV cache size
+                line_error(batch_io.error_record(pending.custom_id, pending.line, "invalid_request", str(result)))
+                continue
+            stats.succeeded += 1
+            stats.prompt_tokens += len(result.prompt_token_ids)
+            stats.generated_tokens += sum(len(c.token_ids) for c in result.outputs)
+            body = batch_io.response_body(result, pending.chat, args.model, pending.top_logprobs)
+            finish(batch_io.success_record(pending.custom_id, body))
+
+
+def _fail(message: str) -> int:
+    print(f"nanovllm run-batch: {message}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
