@@ -65,7 +65,7 @@ def test_an_interrupt_at_any_line_of_the_host_loop_leaks_nothing(llm):
     assert traced(llm, counter, prompts, params) == expected
     total = counter.count
     # every line of queuing and the first steps, then points spread over the whole run
-    points = sorted({*range(1, 400, 9), *range(400, total, max(1, total // 80))})
+    points = sorted({*range(1, 400, 9), *range(400, total, max(1, total // 150))})
     places = set()
     for i, n in enumerate(points):
         tracer = InterruptAtLine(n)

@@ -1,10 +1,11 @@
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.outputs import CompletionOutput, RequestOutput
 
 
 class Detokenizer:
-    """Token ids -> text: stop strings while a request runs, and its output text once it is done."""
+    """Token ids -> text: stop strings while a request runs, and its output once it is done."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
@@ -35,3 +36,20 @@ class Detokenizer:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def request_output(self, samples: list[Sequence], prompt: str | None) -> RequestOutput:
+        """One request's output: its n samples as completions."""
+        first = samples[0]
+        return RequestOutput(str(first.seq_id), prompt, first.token_ids[: first.num_prompt_tokens],
+                             [self._completion(index, seq) for index, seq in enumerate(samples)])
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+        logprobs = cumulative = None
+        if seq.params.logprobs is not None:
+            logprobs = seq.logprobs
+            for position in logprobs:
+                for token_id, entry in position.items():
+                    entry.decoded_token = self.token_text(token_id)
+            cumulative = sum(position[token].logprob for position, token in zip(logprobs, seq.completion_token_ids))
+        return CompletionOutput(index, self.output_text(seq), seq.completion_token_ids, cumulative, logprobs,
+                                seq.finish_reason, seq.stop_reason)

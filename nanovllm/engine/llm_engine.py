@@ -1,10 +1,10 @@
 import atexit
 import gc
+import itertools
 import json
 import os
 import threading
-from collections.abc import Iterable
-from time import perf_counter
+from collections.abc import Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -13,12 +13,12 @@ from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompts, samples_of
+from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts, samples_of
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
@@ -189,61 +189,107 @@ class LLMEngine:
         Every request is validated before any is queued. One engine runs one call at a time: calls from several
         threads are serialised by a lock. An exception or Ctrl-C anywhere in the call aborts all of its requests
         and frees every KV block, leaving the engine ready for the next call."""
-        if self._exited:
-            raise RuntimeError("this LLM has exited (llm.exit() or its with block ended); create a new one")
+        self._check_open()
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
-        if not parsed:
-            return []
-        with self._lock:
-            # n samples of one prompt are n requests; identical prompts in one batch share their full blocks
-            seqs = [self.make_sequence(prompt, sample) for (_, prompt), p in zip(parsed, params)
-                    for sample in samples_of(p)]
-            bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        # n samples of one prompt are n requests; identical prompts in one batch share their full blocks
+        requests = [(i, text, [self.make_sequence(prompt, sample) for sample in samples_of(p)])
+                    for i, ((text, prompt), p) in enumerate(zip(parsed, params))]
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        for index, output in self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm):
+            outputs[index] = output
+        return outputs
+
+    def iter_generate(self, prompts: Iterable[Prompt],
+                      sampling_params: SamplingParams | Iterable[SamplingParams] | None = None, *,
+                      window: int | None = None, errors: str = "raise",
+                      use_tqdm: bool = False) -> Iterator[tuple[int, RequestOutput | Exception]]:
+        """Yield (input index, output) for each request the moment it finishes, pulling prompts (and, when
+        sampling_params is an iterable, their params in step) only as far as `window` requests outstanding
+        (default 2 x max_num_seqs), so host memory does not grow with the input: for a generator over a file.
+
+        errors="yield": a request that fails validation is yielded as (index, the ValueError or TypeError) and
+        the others go on; "raise": it raises, aborting the requests in flight."""
+        self._check_open()
+        if errors not in ("raise", "yield"):
+            raise ValueError(f"errors must be 'raise' or 'yield', got {errors!r}")
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = itertools.repeat(sampling_params or SamplingParams())
+        requests = self._validated(prompts, sampling_params, errors == "yield")
+        return self._stream(requests, window or 2 * self.config.max_num_seqs, None, use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> str:
+        """The prompt text of one conversation: the tokenizer's chat template with the generation prompt."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer of {self.config.model} has no chat template: use generate() with "
+                             f"prompts formatted by hand")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() over conversations (one, or a list of them), as vLLM's LLM.chat; chat_template_kwargs (such
+        as enable_thinking) go to the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _check_open(self) -> None:
+        if self._exited:
+            raise RuntimeError("this LLM has exited (llm.exit() or its with block ended); create a new one")
+
+    def _validated(self, prompts: Iterable[Prompt], params: Iterable[SamplingParams],
+                   yield_errors: bool) -> Iterator[tuple[int, str | None, list[Sequence] | Exception]]:
+        for index, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                for seq in seqs:
-                    self.scheduler.add(seq)
-                self._run(seqs, bar)
-            except BaseException:
+                text, prompt = parse_prompt(index, prompt)
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{index}] is a {type(p).__name__}, not a SamplingParams")
+                yield index, text, [self.make_sequence(prompt, sample) for sample in samples_of(p)]
+            except (ValueError, TypeError) as error:
+                if not yield_errors:
+                    raise
+                yield index, None, error
+
+    def _stream(self, requests: Iterator[tuple[int, str | None, list[Sequence] | Exception]], window: int,
+                total: int | None, use_tqdm: bool) -> Iterator[tuple[int, RequestOutput | Exception]]:
+        """Keep up to `window` requests queued or running, step, and yield each as it finishes."""
+        with self._lock:
+            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            outstanding: dict[int, tuple[str | None, list[Sequence]]] = {}
+            exhausted = False
+            try:
+                while True:
+                    while not exhausted and len(outstanding) < window:
+                        request = next(requests, None)
+                        if request is None:
+                            exhausted = True
+                        elif isinstance(request[2], Exception):
+                            yield request[0], request[2]
+                        else:
+                            index, text, samples = request
+                            for seq in samples:
+                                self.scheduler.add(seq)
+                            outstanding[index] = text, samples
+                    if exhausted and not outstanding and self.is_finished():
+                        break
+                    self.step()
+                    done = [i for i, (_, samples) in outstanding.items() if all(map(_is_done, samples))]
+                    for index in done:
+                        text, samples = outstanding.pop(index)
+                        bar.update(1)
+                        yield index, self.detokenizer.request_output(samples, text)
+            except BaseException:  # an error, Ctrl-C, or the caller closing the iterator early
                 self.in_flight = None
                 self.scheduler.abort_all()
                 raise
             finally:
                 bar.close()
-        outputs, first = [], 0
-        for (text, _), p in zip(parsed, params):
-            outputs.append(self._output(seqs[first: first + p.n], text))
-            first += p.n
-        return outputs
 
-    def _run(self, seqs: list[Sequence], bar: tqdm) -> None:
-        prefill_throughput = decode_throughput = 0.0
-        done = 0
-        while not self.is_finished():
-            start = perf_counter()
-            _, num_tokens = self.step()
-            elapsed = perf_counter() - start
-            if num_tokens > 0:
-                prefill_throughput = num_tokens / elapsed
-            elif num_tokens < 0:
-                decode_throughput = -num_tokens / elapsed
-            finished = sum(seq.is_finished for seq in seqs)
-            bar.update(finished - done)
-            done = finished
-            bar.set_postfix(prefill=f"{prefill_throughput:.0f}tok/s", decode=f"{decode_throughput:.0f}tok/s")
 
-    def _output(self, samples: list[Sequence], prompt: str | None) -> RequestOutput:
-        completions = [self._completion(index, seq) for index, seq in enumerate(samples)]
-        first = samples[0]
-        return RequestOutput(str(first.seq_id), prompt, first.token_ids[: first.num_prompt_tokens], completions)
-
-    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
-        logprobs = cumulative = None
-        if seq.params.logprobs is not None:
-            logprobs = seq.logprobs
-            for position in logprobs:
-                for token_id, entry in position.items():
-                    entry.decoded_token = self.detokenizer.token_text(token_id)
-            cumulative = sum(position[token].logprob for position, token in zip(logprobs, seq.completion_token_ids))
-        return CompletionOutput(index, self.detokenizer.output_text(seq), seq.completion_token_ids, cumulative,
-                                logprobs, seq.finish_reason, seq.stop_reason)
+def _is_done(seq: Sequence) -> bool:
+    # one finished at launch for its length still waits for the token of that step (PENDING, always its last)
+    return seq.is_finished and seq.token_ids[-1] != PENDING

@@ -18,10 +18,10 @@ def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[tuple[str | None, 
     elif not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(f"prompts must be a string, a prompt dict, or an iterable of prompts, "
                         f"not {type(prompts).__name__}")
-    return [_parse_one(i, prompt) for i, prompt in enumerate(prompts)]
+    return [parse_prompt(i, prompt) for i, prompt in enumerate(prompts)]
 
 
-def _parse_one(index: int, prompt) -> tuple[str | None, str | list[int]]:
+def parse_prompt(index: int, prompt) -> tuple[str | None, str | list[int]]:
     if isinstance(prompt, str):
         return prompt, prompt
     if isinstance(prompt, dict):
