@@ -70,3 +70,11 @@ def test_chat_without_a_template_is_a_clear_error(llm, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "chat_template", None)
     with pytest.raises(ValueError, match="has no chat template"):
         llm.chat([{"role": "user", "content": "x"}])
+
+
+def test_fewer_params_than_prompts_is_an_error_not_a_truncation(llm):
+    prompts = random_prompts([10, 12, 14], seed=63)
+    with pytest.raises(ValueError, match="sampling_params ran out at prompt 2"):
+        list(llm.iter_generate(iter(prompts), iter([GREEDY, GREEDY])))
+    assert_no_leaks(llm)
+    assert len(list(llm.iter_generate(iter(prompts), iter([GREEDY] * 3)))) == 3

@@ -243,7 +243,13 @@ class LLMEngine:
 
     def _validated(self, prompts: Iterable[Prompt], params: Iterable[SamplingParams],
                    yield_errors: bool) -> Iterator[tuple[int, str | None, list[Sequence] | Exception]]:
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
+        params = iter(params)
+        for index, prompt in enumerate(prompts):
+            # each prompt's params are pulled with it, never ahead; too few is an error, not a truncation
+            p = next(params, _MISSING)
+            if p is _MISSING:
+                raise ValueError(f"sampling_params ran out at prompt {index}: pass one SamplingParams, or one per "
+                                 f"prompt")
             try:
                 text, prompt = parse_prompt(index, prompt)
                 if not isinstance(p, SamplingParams):
@@ -288,6 +294,9 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
+
+
+_MISSING = object()  # sampling_params ended before the prompts
 
 
 def _is_done(seq: Sequence) -> bool:
