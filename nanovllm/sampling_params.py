@@ -1,3 +1,5 @@
+import json
+import os
 from dataclasses import dataclass, field
 
 
@@ -94,6 +96,18 @@ class SamplingParams:
                "None or an integer >= 0")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
+
+    @classmethod
+    def from_generation_config(cls, model_dir: str) -> "SamplingParams":
+        """The defaults a checkpoint's generation_config.json recommends, as vLLM reads them; vLLM's otherwise."""
+        path = os.path.join(model_dir, "generation_config.json")
+        if not os.path.exists(path):
+            return cls()
+        with open(path) as f:
+            generation = json.load(f)
+        names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+        return cls(**{ours: generation[theirs] for theirs, ours in names.items() if theirs in generation})
 
     @property
     def is_greedy(self) -> bool:

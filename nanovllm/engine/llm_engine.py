@@ -1,8 +1,6 @@
 import atexit
 import gc
 import itertools
-import json
-import os
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -88,14 +86,7 @@ class LLMEngine:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling defaults the checkpoint's generation_config.json recommends (as vLLM's), else vLLM's."""
-        path = os.path.join(self.config.model, "generation_config.json")
-        if not os.path.exists(path):
-            return SamplingParams()
-        with open(path) as f:
-            generation = json.load(f)
-        names = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-        return SamplingParams(**{ours: generation[theirs] for theirs, ours in names.items() if theirs in generation})
+        return SamplingParams.from_generation_config(self.config.model)
 
     # --- requests ----------------------------------------------------------------------------------------
     def check_params(self, params: SamplingParams) -> None:
