@@ -20,8 +20,11 @@ class Detokenizer:
         window = max(len(s) for s in stop) + 8
         first = max(seq.num_prompt_tokens, index + 1 - window)
         tail = self.tokenizer.decode(seq.token_ids[first: index + 1])
+        found = [s for s in stop if s in tail]
+        if not found:  # the common case: one decode per token
+            return None
         before = self.tokenizer.decode(seq.token_ids[first: index])
-        return next((s for s in stop if s in tail and s not in before), None)
+        return next((s for s in found if s not in before), None)
 
     def output_text(self, seq: Sequence) -> str:
         params = seq.params
