@@ -43,14 +43,32 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
 
 
+def penalise(logits: torch.Tensor, prompt: list[int], completion: list[int], presence: float, frequency: float,
+             repetition: float) -> torch.Tensor:
+    """vLLM's penalties on transformers' logits: row i scores completion[i] after prompt + completion[:i]."""
+    logits = logits.float().clone()
+    for i in range(len(logits)):
+        seen = torch.tensor(prompt + completion[:i], device=logits.device)
+        row = logits[i]
+        row[seen] = torch.where(row[seen] > 0, row[seen] / repetition, row[seen] * repetition)
+        if i:
+            output = torch.tensor(completion[:i], device=logits.device)
+            row.index_add_(0, output, torch.full((i,), -frequency, device=logits.device))
+            row[output.unique()] -= presence
+    return logits
+
+
 @torch.inference_mode()
-def check(hf_model, prompts, outputs) -> None:
+def check(hf_model, prompts, outputs, penalties: dict | None = None) -> None:
     ours, theirs = [], []  # float32 logit gap to the float32 argmax: of our token, of transformers' bf16 argmax
     for prompt, output in zip(prompts, outputs):
         completion = output["token_ids"]
         ids = torch.tensor([prompt + completion[:-1]], device="cuda")
         exact = hf_model[torch.float32](ids).logits[0, len(prompt) - 1:].float()
-        bf16_choice = hf_model[torch.bfloat16](ids).logits[0, len(prompt) - 1:].argmax(1)
+        bf16 = hf_model[torch.bfloat16](ids).logits[0, len(prompt) - 1:]
+        if penalties:
+            exact, bf16 = (penalise(x, prompt, completion, **penalties) for x in (exact, bf16))
+        bf16_choice = bf16.argmax(1)
         best = exact.max(1).values
         ours.append(best - exact.gather(1, torch.tensor(completion, device="cuda").unsqueeze(1)).squeeze(1))
         theirs.append(best - exact.gather(1, bf16_choice.unsqueeze(1)).squeeze(1))
@@ -168,6 +186,24 @@ def test_graph_block_tables_at_full_width_and_sampling_options(model_path, hf_mo
         assert [o["token_ids"] for o in first] == [o["token_ids"] for o in again]
         assert first[0]["token_ids"] == first[1]["token_ids"] == first[2]["token_ids"]
         assert all(len(step) in (2, 3) for step in first[0]["logprobs"])
+        assert_no_leaks(llm)
+
+
+def test_n_samples_and_penalties_match_transformers(model_path, hf_model, backend):
+    """n greedy samples fork their prompt's KV (copying its partial block on first write); penalties run inside
+    the lookahead pipeline with each request's history kept on the device."""
+    prompts = prompts_of([300, 256, 700], seed=7)  # partial, exactly full, partial last blocks
+    penalties = dict(presence=0.4, frequency=0.3, repetition=1.2)
+    with LLM(model_path, attention_backend=backend, **ENGINE) as llm:
+        samples = llm.generate(prompts, SamplingParams(n=4, temperature=0, max_tokens=64, ignore_eos=True),
+                               use_tqdm=False)
+        for output in samples:  # the copies hold the same KV as the block they came from
+            assert all(c.token_ids == output.outputs[0].token_ids for c in output.outputs)
+        check(hf_model, prompts, samples)
+        penalised = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
+                                                         presence_penalty=0.4, frequency_penalty=0.3,
+                                                         repetition_penalty=1.2), use_tqdm=False)
+        check(hf_model, prompts, penalised, penalties)
         assert_no_leaks(llm)
 
 

@@ -182,21 +182,47 @@ def test_repetition_penalty_equals_transformers(llm, hf_model):
 
 
 def test_n_samples_share_the_prompt_and_are_distinct_and_reproducible(llm):
-    prompt = random_prompts([600], seed=56)[0]  # two full 256-token blocks to share
+    prompt = random_prompts([600], seed=56)[0]  # two full 256-token blocks and a partial one, all shared
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
-    bm = llm.scheduler.block_manager
-    allocate, cached = bm.allocate, []
-    bm.allocate = lambda seq: (allocate(seq), cached.append(seq.num_cached_tokens))
-    try:
-        first = llm.generate([prompt], params, use_tqdm=False)
-    finally:
-        bm.allocate = allocate
+    step_tokens, copies = record_steps(llm)
+    first = llm.generate([prompt], params, use_tqdm=False)
     again = llm.generate([prompt], params, use_tqdm=False)
     assert len(first) == 1 and [c.index for c in first[0].outputs] == [0, 1, 2, 3]
     samples = [tuple(c.token_ids) for c in first[0].outputs]
     assert len(set(samples)) == 4 and samples == [tuple(c.token_ids) for c in again[0].outputs]
-    assert cached[0] == 0 and cached[1:] == [512, 512, 512]  # the prompt's full blocks are computed once
+    # the prompt is computed once per call (the second finds its two full blocks cached); three of the four
+    # samples copy the shared partial block on their first write and the last one writes it in place
+    assert [n for n in step_tokens if n > 0] == [600, 600 - 512] and len(copies) == 2 * 3
     assert_no_leaks(llm)
+
+
+def test_n_greedy_samples_each_equal_transformers_through_fork_and_copy(tiny_model, hf_model):
+    prompts = random_prompts([40, 16, 23], seed=58)  # a partial block, an exactly full one, another partial
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=60) as llm:
+        step_tokens, copies = record_steps(llm)
+        outputs = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True),
+                               use_tqdm=False)
+        for prompt, out in zip(prompts, outputs):
+            expected = hf_greedy(hf_model, prompt, 20)
+            assert [c.token_ids for c in out.outputs] == [expected] * 3
+        assert step_tokens[0] == sum(map(len, prompts)) and len(copies) == 2 * 2  # the full block needs none
+        assert_no_leaks(llm)
+
+
+def record_steps(llm: LLM) -> tuple[list[int], list[tuple[int, int]]]:
+    """Spy on llm.step: each step's token count (negative for decode) and every block copy."""
+    step_tokens, copies = [], []
+    step, bm = llm.step, llm.scheduler.block_manager
+    take_copies = bm.take_copies
+
+    def recorded_take_copies():
+        taken = take_copies()
+        copies.extend(taken)
+        return taken
+
+    llm.step = lambda: (result := step(), step_tokens.append(result[1]))[0]
+    bm.take_copies = recorded_take_copies
+    return step_tokens, copies
 
 
 def test_default_sampling_params_from_generation_config(tiny_model, tmp_path):

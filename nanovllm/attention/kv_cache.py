@@ -25,6 +25,11 @@ class KVCacheLayout:
     def block_bytes(self) -> int:
         return math.prod(self.shape(1)) * self.dtype.itemsize
 
+    def copy_blocks(self, cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K and V in every layer."""
+        source, destination = (torch.tensor(ids, device=cache.device) for ids in zip(*copies))
+        cache[:, :, destination] = cache[:, :, source]
+
     def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, list[LayerKV]]:
         cache = torch.empty(self.shape(num_blocks), dtype=self.dtype, device=device)
         return cache, [LayerKV(cache[0, i], cache[1, i]) for i in range(self.num_layers)]

@@ -43,6 +43,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(len(self.blocks)))
         self.used_block_ids: set[int] = set()
+        self.copies: list[tuple[int, int]] = []  # copy-on-write for the next step: (source, destination)
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +101,19 @@ class BlockManager:
             # a fully cached prompt still computes its last token, so there are logits to sample from
             seq.num_cached_tokens -= 1
 
+    def fork(self, seq: Sequence, parent: Sequence) -> None:
+        """Share every block of parent's prompt with seq, the partial last one too: n samples of one prompt
+        compute it once. Whichever of them first writes into a shared partial block gets its own copy."""
+        assert not seq.block_table and len(seq) == len(parent)
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        seq.block_table = list(parent.block_table)
+        seq.num_cached_tokens = len(seq)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
     def register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register the hash of every block that a step computing tokens [start, end) left full.
 
@@ -123,11 +137,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
 
+    def _needs_block(self, seq: Sequence) -> bool:
+        # a new block is needed when the token about to be computed opens one, or lands in a forked partial
+        # block that other samples still read
+        return len(seq) % self.block_size == 1 or self.blocks[seq.block_table[-1]].ref_count > 1
+
     def can_append(self, seq: Sequence) -> bool:
-        # a new block is needed exactly when the token about to be computed opens one
-        return len(self.free_block_ids) >= (len(seq) % self.block_size == 1)
+        return len(self.free_block_ids) >= self._needs_block(seq)
 
     def may_append(self, seq: Sequence) -> None:
         """Prepare seq for a decode step that computes the KV of its last token."""
         if len(seq) % self.block_size == 1:
             seq.block_table.append(self._take_free_block())
+        elif self._needs_block(seq):
+            shared = seq.block_table[-1]
+            seq.block_table[-1] = self._take_free_block()
+            self.copies.append((shared, seq.block_table[-1]))
+            self._release(shared)

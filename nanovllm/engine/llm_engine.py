@@ -119,6 +119,13 @@ class LLMEngine:
                              f"holds only {num_blocks} blocks of {self.config.kvcache_block_size} tokens")
         return seq
 
+    def make_samples(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
+        """The params.n requests of one prompt; the others fork the first one's prompt KV (see Scheduler)."""
+        samples = [self.make_sequence(prompt, sample) for sample in samples_of(params)]
+        for seq in samples[1:]:
+            seq.prompt_owner = samples[0]
+        return samples
+
     # --- steps -------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
         """Schedule and launch one batch, then complete the batch launched before it (async scheduling: its
@@ -134,6 +141,7 @@ class LLMEngine:
             self._complete(self.in_flight)
             return seqs, 0
         step = Step.of(seqs, is_prefill)
+        step.block_copies = self.scheduler.block_manager.take_copies()
         previous, self.in_flight = self.in_flight, None
         if self.workers is None:
             self.model_runner.launch(step, previous)
@@ -183,8 +191,8 @@ class LLMEngine:
         self._check_open()
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
-        # n samples of one prompt are n requests; identical prompts in one batch share their full blocks
-        requests = [(i, text, [self.make_sequence(prompt, sample) for sample in samples_of(p)])
+        # n samples of one prompt are n requests sharing its KV; identical prompts share their full blocks
+        requests = [(i, text, self.make_samples(prompt, p))
                     for i, ((text, prompt), p) in enumerate(zip(parsed, params))]
         outputs: list[RequestOutput | None] = [None] * len(requests)
         for index, output in self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm):
@@ -245,7 +253,7 @@ class LLMEngine:
                 text, prompt = parse_prompt(index, prompt)
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{index}] is a {type(p).__name__}, not a SamplingParams")
-                yield index, text, [self.make_sequence(prompt, sample) for sample in samples_of(p)]
+                yield index, text, self.make_samples(prompt, p)
             except (ValueError, TypeError) as error:
                 if not yield_errors:
                     raise

@@ -150,6 +150,8 @@ class ModelRunner:
         tokens on the device, rank 0 from its sampler and the others from a broadcast, so no rank waits for the
         host between steps."""
         seqs = step.seqs
+        if step.block_copies:
+            self.kv_layout.copy_blocks(self.kv_cache, step.block_copies)
         graph_size = None
         if step.is_prefill:
             input_ids, positions = self.inputs.prefill(seqs)

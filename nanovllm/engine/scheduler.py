@@ -48,10 +48,15 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             assert seq.token_ids[-1] != PENDING, "a prefill must feed known tokens (see LLMEngine.step)"
-            if not seq.block_table:  # a chunked prompt keeps its blocks between its steps
+            if scheduled and self._shares_prompt(seq, scheduled[-1]):
+                # it computes nothing: the step's row before it (its prompt's last token) gives its logits
+                self.block_manager.fork(seq, scheduled[-1])
+            elif budget <= 0:
+                break
+            elif not seq.block_table:  # a chunked prompt keeps its blocks between its steps
                 if not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
@@ -70,6 +75,15 @@ class Scheduler:
             self.running.append(seq)
             self.waiting.popleft()
         return scheduled
+
+    @staticmethod
+    def _shares_prompt(seq: Sequence, previous: Sequence) -> bool:
+        """Whether seq is one of n samples of the prompt whose last token `previous` (the row scheduled just before
+        it) computes in this step, or shares: then seq forks that prompt's KV instead of computing it."""
+        owner = seq.prompt_owner
+        return (owner is not None and not seq.block_table and owner in (previous, previous.prompt_owner)
+                and previous.completes_prompt and previous.num_completion_tokens == 0
+                and seq.num_completion_tokens == 0)
 
     def _schedule_decode(self) -> list[Sequence]:
         """One token for each running sequence, oldest first, preempting the youngest when blocks run out.

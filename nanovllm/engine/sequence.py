@@ -35,7 +35,8 @@ class Sequence:
         self.params = sampling_params  # read on rank 0 only; workers never sample
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None  # the stop token id or stop string that finished it
-        self.penalty_history = None  # the sampler's int64 copy of token_ids, for penalties (layers/penalties.py)
+        # the first of the n samples of one prompt: this one forks its prompt's KV from it (see Scheduler)
+        self.prompt_owner: Sequence | None = None
         self.logprobs: list[dict[int, Logprob]] = []  # one entry per generated token, when params.logprobs is set
         self._shipped_token_ids: list[int] = []
 

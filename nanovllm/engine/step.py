@@ -23,6 +23,8 @@ class Step:
     host_token_ids: torch.Tensor | None = None  # the same, copied to (pinned) host memory as it completes
     ready: torch.cuda.Event | None = None  # recorded after that copy
     logprobs: list[dict[int, float]] | None = None  # per row: the sampled token's and the top k
+    # (source, destination) KV blocks to copy before the forward: a shared partial block about to be written
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool) -> "Step":

@@ -2,8 +2,12 @@
 
 Repetition divides a positive logit (multiplies a negative one) by the penalty for every token already in the
 prompt or the output; presence subtracts its value once for every token in the output, frequency once per
-occurrence. A step may feed a token that is still on the device (async scheduling), so that token is counted
-from the step's input ids there, never read back.
+occurrence.
+
+Each request's token history lives on the device, in a row of a table the sampler keeps: the host copies a
+request's tokens once (at its prefill, or after its row was given to another request), and every decode step
+appends the token it feeds on the device, where it is even before the host has read it back (async scheduling).
+So a decode step sends the device a few numbers per row, not the histories.
 """
 from dataclasses import dataclass
 
@@ -21,27 +25,10 @@ def has_penalties(params: SamplingParams) -> bool:
 
 @dataclass
 class PenaltyTensors:
-    repetition: torch.Tensor  # [rows] float32, 1 = off
-    presence: torch.Tensor  # [rows], 0 = off
-    frequency: torch.Tensor  # [rows], 0 = off
-    token_ids: torch.Tensor  # every row's tokens known on the host, row after row
-    lengths: torch.Tensor  # [rows]: how many of them are each row's
+    strengths: torch.Tensor  # [3, rows] float32: repetition (1 = off), presence, frequency (0 = off)
+    histories: torch.Tensor  # [rows, width] int64: each row's tokens, valid up to its length
+    lengths: torch.Tensor  # [rows]: how many tokens of the row are valid (0 for a row without penalties)
     prompt_lengths: torch.Tensor  # [rows]: how many of those are its prompt
-    fed_token_ids: torch.Tensor | None  # decode: the token each row feeds this step (an output token)
-
-    @classmethod
-    def build(cls, seqs: list[Sequence], fed_token_ids: torch.Tensor | None,
-              device: torch.device) -> "PenaltyTensors":
-        """Host work is a copy of each row's tokens: the rest is computed on the device (this runs every step)."""
-        params = [seq.params for seq in seqs]
-        # decode feeds the last token, possibly still PENDING here: it comes from fed_token_ids instead
-        histories = [token_history(seq, len(seq) - (fed_token_ids is not None)) for seq in seqs]
-        as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), device)  # noqa: E731
-        return cls(as_tensor([p.repetition_penalty for p in params], np.float32),
-                   as_tensor([p.presence_penalty for p in params], np.float32),
-                   as_tensor([p.frequency_penalty for p in params], np.float32),
-                   to_device(np.concatenate(histories), device), as_tensor(list(map(len, histories)), np.int64),
-                   as_tensor([seq.num_prompt_tokens for seq in seqs], np.int64), fed_token_ids)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Touches only the logits of tokens a row has seen: repetition and presence are written as values
@@ -49,40 +36,105 @@ class PenaltyTensors:
         added once per listing in the output, which is its definition."""
         rows, vocab = logits.shape
         device = logits.device
-        total = self.token_ids.numel()  # known on the host: no device sync for the sizes below
-        row = torch.repeat_interleave(torch.arange(rows, device=device), self.lengths, output_size=total)
-        starts = torch.repeat_interleave(self.lengths.cumsum(0) - self.lengths, self.lengths, output_size=total)
-        listed_in_output = torch.arange(total, device=device) - starts >= self.prompt_lengths[row]
-        slots = row * vocab + self.token_ids
-        if self.fed_token_ids is not None:
-            fed_rows = torch.arange(rows, device=device)
-            slots = torch.cat([slots, fed_rows * vocab + self.fed_token_ids[:rows].long()])
-            row = torch.cat([row, fed_rows])
-            listed_in_output = torch.cat([listed_in_output, torch.ones(rows, dtype=torch.bool, device=device)])
-        flat = logits.float().flatten()
-        if flat.data_ptr() == logits.data_ptr():
-            flat = flat.clone()  # float32 logits: the caller's tensor stays as the model produced it
+        position = torch.arange(self.histories.size(1), device=device)
+        valid = position < self.lengths.unsqueeze(1)
+        listed_in_output = (valid & (position >= self.prompt_lengths.unsqueeze(1))).flatten()
+        # past a row's length, listings point at one spare logit after the batch's, which is dropped at the end
+        spare = rows * vocab
+        row_base = torch.arange(rows, device=device).unsqueeze(1) * vocab
+        slots = torch.where(valid, row_base + self.histories, spare).flatten()
+        flat = torch.cat([logits.float().flatten(), logits.new_zeros(1, dtype=torch.float32)])
         # a token of the prompt may be in the output too: whether it is, for each listing, from a byte per logit
-        output_marks = torch.zeros(rows * vocab, dtype=torch.int8, device=device)
+        output_marks = torch.zeros(spare + 1, dtype=torch.int8, device=device)
         output_marks.scatter_reduce_(0, slots, listed_in_output.to(torch.int8), reduce="amax")
         in_output = output_marks[slots].bool()
+        repetition, presence, frequency = (s.unsqueeze(1).expand(rows, position.numel()).flatten()
+                                           for s in self.strengths)
         seen = flat[slots]
-        repetition = self.repetition[row]
         seen = torch.where(seen > 0, seen / repetition, seen * repetition)
         # every listing of a token writes the same value, so duplicates agree
-        flat[slots] = seen - torch.where(in_output, self.presence[row], 0.0)
+        flat[slots] = seen - torch.where(in_output, presence, 0.0)
         # frequency counts the output's listings only
-        flat.index_add_(0, slots, -torch.where(listed_in_output, self.frequency[row], 0.0))
-        return flat.view(rows, vocab)
+        flat.index_add_(0, slots, -torch.where(listed_in_output, frequency, 0.0))
+        return flat[:spare].view(rows, vocab)
 
 
-def token_history(seq: Sequence, length: int) -> np.ndarray:
-    """seq.token_ids[:length] as int64, kept in a buffer on the sequence that grows with it, so a step copies
-    only the tokens added since the last one rather than converting the whole list."""
-    buffer, filled = seq.penalty_history or (np.empty(max(64, 2 * length), np.int64), 0)
-    filled = min(filled, length)  # a request truncated at a stop keeps no stale tail
-    if length > len(buffer):
-        buffer = np.concatenate([buffer[:filled], np.empty(2 * length - filled, np.int64)])
-    buffer[filled:length] = seq.token_ids[filled:length]
-    seq.penalty_history = (buffer, length)
-    return buffer[:length]
+class PenaltyHistories:
+    """The device table of token histories, one row per request with penalties, reassigned as requests come and
+    go. The host remembers which request owns each row and how many of its tokens the row holds."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.zeros(0, 0, dtype=torch.int32, device=device)  # its last row catches unused writes
+        self.row_of: dict[int, int] = {}  # seq_id -> its row
+        self.owner: list[int | None] = []  # row -> seq_id
+        self.filled: dict[int, int] = {}  # seq_id -> tokens its row holds
+
+    def tensors(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None) -> PenaltyTensors:
+        """fed_token_ids: a decode step's input ids on the device; each is appended to its row's history."""
+        in_step = {seq.seq_id for seq in seqs}
+        penalised = [has_penalties(seq.params) for seq in seqs]
+        # decode feeds the last token, possibly still PENDING on the host: it is appended from the device
+        known = [len(seq) - (fed_token_ids is not None) for seq in seqs]
+        stale = [i for i, (seq, on) in enumerate(zip(seqs, penalised))
+                 if on and (fed_token_ids is None or self.filled.get(seq.seq_id) != known[i])]
+        if stale:
+            # a row whose owner is not in this step can be taken: the owner copies its history again if it returns
+            takeable = [row for row, owner in enumerate(self.owner) if owner is None or owner not in in_step]
+            takeable.reverse()
+            for i in stale:
+                self._assign_row(seqs[i].seq_id, takeable)
+        self._fit(len(self.owner) + 1, max(known) + 1)
+        spare_row = self.table.size(0) - 1
+        rows = np.array([self.row_of[seq.seq_id] if on else spare_row for seq, on in zip(seqs, penalised)])
+        if stale:
+            self._copy_histories([seqs[i] for i in stale], [known[i] for i in stale], rows[stale])
+        lengths = np.array([n + (fed_token_ids is not None) if on else 0 for n, on in zip(known, penalised)])
+        for seq, n, on in zip(seqs, lengths, penalised):
+            if on:
+                self.filled[seq.seq_id] = int(n)
+        prompt_lengths = [seq.num_prompt_tokens for seq in seqs]
+        meta = to_device(np.stack([rows, lengths, prompt_lengths]).astype(np.int64), self.device)
+        row_index, length, prompt_length = meta
+        if fed_token_ids is not None:
+            # rows without penalties write into the spare row, which nothing reads
+            self.table[row_index, (length - 1).clamp_min(0)] = fed_token_ids[:len(seqs)].to(torch.int32)
+        strengths = to_device(np.array([[seq.params.repetition_penalty for seq in seqs],
+                                        [seq.params.presence_penalty for seq in seqs],
+                                        [seq.params.frequency_penalty for seq in seqs]], np.float32), self.device)
+        width = int(lengths.max())
+        return PenaltyTensors(strengths, self.table[row_index, :width].long(), length, prompt_length)
+
+    def _assign_row(self, seq_id: int, takeable: list[int]) -> None:
+        if seq_id in self.row_of:
+            return
+        if takeable:
+            free = takeable.pop()
+        else:
+            free = len(self.owner)
+            self.owner.append(None)
+        if self.owner[free] is not None:
+            del self.row_of[self.owner[free]], self.filled[self.owner[free]]
+        self.owner[free] = seq_id
+        self.row_of[seq_id] = free
+
+    def _fit(self, rows: int, width: int) -> None:
+        """Grow the table (keeping its contents) to at least `rows` rows (the owned ones and the spare) of `width`
+        tokens."""
+        old_rows, old_width = self.table.shape
+        if rows <= old_rows and width <= old_width:
+            return
+        table = torch.zeros(max(rows, 2 * old_rows), max(width, 2 * old_width), dtype=torch.int32,
+                            device=self.device)
+        if old_rows:  # owned rows keep their index; the old spare row holds nothing of value
+            table[:old_rows - 1, :old_width] = self.table[:old_rows - 1]
+        self.table = table
+
+    def _copy_histories(self, seqs: list[Sequence], lengths: list[int], rows: np.ndarray) -> None:
+        tokens = np.concatenate([np.asarray(seq.token_ids[:n], dtype=np.int32) for seq, n in zip(seqs, lengths)])
+        starts = np.repeat(rows.astype(np.int64) * self.table.size(1), lengths)
+        offsets = np.arange(len(tokens)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        flat_index = to_device(starts + offsets, self.device)
+        self.table.view(-1)[flat_index] = to_device(tokens, self.device)
+        for seq, n in zip(seqs, lengths):
+            self.filled[seq.seq_id] = n

@@ -7,7 +7,7 @@ from torch import nn
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.gumbel_max import gumbel_max_sample
-from nanovllm.layers.penalties import PenaltyTensors, has_penalties
+from nanovllm.layers.penalties import PenaltyHistories, PenaltyTensors, has_penalties
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
@@ -100,6 +100,7 @@ class Sampler(nn.Module):
         self.device = device
         self.generator: torch.Generator | None = None
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
+        self.penalty_histories = PenaltyHistories(device)
 
     def prepare(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
         """fed_token_ids: a decode step's input ids on the device (the tokens the penalties count last)."""
@@ -107,7 +108,7 @@ class Sampler(nn.Module):
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
         tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
         if any(map(has_penalties, params)):
-            tensors.penalties = PenaltyTensors.build(seqs, fed_token_ids, self.device)
+            tensors.penalties = self.penalty_histories.tensors(seqs, fed_token_ids)
         if all(map(samples_with_temperature_only, params)):  # the per-step common case
             return tensors
         if any(p.top_k > 0 for p in params):
