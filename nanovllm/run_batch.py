@@ -217,7 +217,8 @@ class RequestSource:
         return prompt, params, Pending(custom_id, line, url == CHAT, params.logprobs if url == CHAT else None)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, llm: LLM | None = None) -> int:
+    """The run-batch command; `llm`: an engine to use instead of loading args.model (kept open afterwards)."""
     start = time.perf_counter()
     try:
         scan = batch_io.scan_input(args.input_file)
@@ -240,16 +241,18 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"cannot write the output: {error}")
         with out:
             try:
-                llm = LLM(args.model, **engine_options(args))
+                engine = llm or LLM(args.model, **engine_options(args))
             except (OSError, ValueError, TypeError) as error:  # engine options and checkpoint problems
                 return _fail(f"cannot load the model: {type(error).__name__}: {error}")
-            with llm:
-                try:
-                    _generate(args, llm, out, done, todo, stats)
-                except KeyboardInterrupt:  # every finished result is on disk already
-                    _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
-                          f"command again to resume")
-                    return 130
+            try:
+                _generate(args, engine, out, done, todo, stats)
+            except KeyboardInterrupt:  # every finished result is on disk already
+                _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
+                      f"command again to resume")
+                return 130
+            finally:
+                if llm is None:
+                    engine.exit()
     print(f"nanovllm run-batch: {stats.succeeded} succeeded, {stats.failed} failed, {stats.skipped} skipped "
           f"(already done); {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated tokens; "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
