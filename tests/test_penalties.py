@@ -1,6 +1,8 @@
-"""The device table of penalty histories (layers/penalties.py) against the plain truth: each row's tokens."""
+"""Penalties (layers/penalties.py): the device table of histories and both ways of applying them (torch ops, and
+the GPU's Triton kernel, here in Triton's interpreter) against vLLM's formulas on the plain histories."""
 from random import Random
 
+import pytest
 import torch
 
 from nanovllm.engine.sequence import PENDING, Sequence
@@ -8,35 +10,47 @@ from nanovllm.layers.penalties import PenaltyHistories
 from nanovllm.sampling_params import SamplingParams
 
 
-def test_histories_follow_each_request_through_decode_eviction_and_recompute():
+def reference(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM's formulas, one row at a time."""
+    out = logits.clone()
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        seen = torch.tensor(seq.token_ids)
+        output = torch.tensor(seq.completion_token_ids, dtype=torch.long)
+        counts = torch.zeros(logits.size(1)).index_add_(0, output, torch.ones(len(output)))
+        value = out[row]
+        value[seen] = torch.where(value[seen] > 0, value[seen] / p.repetition_penalty,
+                                  value[seen] * p.repetition_penalty)
+        out[row] = value - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    return out
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton-kernel"])
+def test_penalties_follow_each_request_through_decode_eviction_and_recompute(use_kernel):
     rng = Random(3)
-    penalised = SamplingParams(presence_penalty=0.5)
-    seqs = [Sequence([rng.randrange(100) for _ in range(rng.randint(1, 40))],
-                    penalised if i % 3 else SamplingParams()) for i in range(12)]
-    histories = PenaltyHistories(torch.device("cpu"))
-    checked_rows = 0
-    for step in range(60):
+    vocab = 64  # small, so tokens repeat within and across prompt and output
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.7, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(repetition_penalty=0.6), SamplingParams(frequency_penalty=-0.4)]
+    seqs = [Sequence([rng.randrange(vocab) for _ in range(rng.randint(1, 40))], params[i % 4]) for i in range(12)]
+    histories = PenaltyHistories(torch.device("cpu"), use_kernel=use_kernel)
+    for step in range(50):
         batch = rng.sample(seqs, rng.randint(1, 6))  # requests come and go, so rows are taken and given back
+        if not any(s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
+                   for s in batch):
+            continue
         prefill = rng.random() < 0.3  # as after a preemption: the whole history again from the host
         fed = None
         if not prefill:
             # decode: each feeds a new token the host does not have yet (async scheduling), from the device
-            fed = torch.tensor([rng.randrange(100) for _ in batch])
+            fed = torch.tensor([rng.randrange(vocab) for _ in batch])
             for seq in batch:
                 seq.append_token(PENDING)
         tensors = histories.tensors(batch, fed)
         if not prefill:
             for seq, token in zip(batch, fed.tolist()):
                 seq.token_ids[-1] = token  # read back later, as Step.result does
-        for row, seq in enumerate(batch):
-            length = int(tensors.lengths[row])
-            if seq.params.presence_penalty:
-                assert length == len(seq), step
-                assert tensors.histories[row, :length].tolist() == seq.token_ids, step
-                assert int(tensors.prompt_lengths[row]) == seq.num_prompt_tokens
-                checked_rows += 1
-            else:
-                assert length == 0  # rows without penalties list nothing
-        assert torch.equal(tensors.strengths[1], torch.tensor([s.params.presence_penalty for s in batch]))
-    assert checked_rows > 100
+        logits = torch.randn(len(batch), vocab)
+        torch.testing.assert_close(tensors.apply(logits), reference(logits, batch), rtol=1e-6, atol=1e-6,
+                                   msg=f"step {step}")
     assert len(histories.owner) < len(seqs)  # rows were reused, not one per request
+    assert not histories.use_kernel or not histories.marks(1, vocab).any()  # the scratch is left clear
