@@ -165,7 +165,7 @@ def test_prefill_over_an_fp8_prefix_matches_the_dequantised_cache():
         expected = dequantize_rows(cache.v[tables[i].long()], cache.v_scale[tables[i].long()], torch.float32)
         assert torch.equal(v[renumbered[i].long()], expected)
     # the torch backend: a prefill whose first 20 keys are cached, attending over them and 4 new ones
-    q, new_k, new_v = torch.randn(4, 4, head_dim), torch.randn(4, kv_heads, head_dim), torch.randn(4, kv_heads, head_dim)
+    q, new_k, new_v = torch.randn(4, 4, head_dim), *torch.randn(2, 4, kv_heads, head_dim)
     slots = torch.tensor([2 * page + 4 + i for i in range(4)])  # positions 20..23 sit in the table's block 2
     set_context(is_prefill=True, cu_seqlens_q=torch.tensor([0, 4]), cu_seqlens_k=torch.tensor([0, 24]),
                 max_seqlen_q=4, max_seqlen_k=24, slot_mapping=slots, block_tables=torch.tensor([[5, 2]]))
