@@ -95,13 +95,17 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
                                                    tl.max(tl.abs(v2.to(tl.float32)), 1)))
                     tl.store(k_scale_ptr + slot * NUM_K_HEADS + heads, k_scale, mask=heads < NUM_K_HEADS)
                     tl.store(v_scale_ptr + slot * NUM_K_HEADS + heads, v_scale, mask=heads < NUM_K_HEADS)
+                    # (stored in this branch: the compiler keeps a variable's type across an if)
                     fp8 = k_cache_ptr.dtype.element_ty
-                    k1, k2 = to_fp8(k1, k_scale, fp8), to_fp8(k2, k_scale, fp8)
-                    v1, v2 = to_fp8(v1, v_scale, fp8), to_fp8(v2, v_scale, fp8)
-                tl.store(k_cache_ptr + row + k_offsets, k1, mask=k_mask)
-                tl.store(k_cache_ptr + row + k_offsets + HALF, k2, mask=k_mask)
-                tl.store(v_out, v1, mask=k_mask)
-                tl.store(v_out + HALF, v2, mask=k_mask)
+                    tl.store(k_cache_ptr + row + k_offsets, to_fp8(k1, k_scale, fp8), mask=k_mask)
+                    tl.store(k_cache_ptr + row + k_offsets + HALF, to_fp8(k2, k_scale, fp8), mask=k_mask)
+                    tl.store(v_out, to_fp8(v1, v_scale, fp8), mask=k_mask)
+                    tl.store(v_out + HALF, to_fp8(v2, v_scale, fp8), mask=k_mask)
+                else:
+                    tl.store(k_cache_ptr + row + k_offsets, k1, mask=k_mask)
+                    tl.store(k_cache_ptr + row + k_offsets + HALF, k2, mask=k_mask)
+                    tl.store(v_out, v1, mask=k_mask)
+                    tl.store(v_out + HALF, v2, mask=k_mask)
 
 
 @dataclass
