@@ -2,6 +2,7 @@
 
     python bench.py                      # Qwen3-0.6B shape with random weights, written on first use
     python bench.py --runs 4             # first run is "cold", the median of the others "warm"
+    python bench.py --workload long-context --kv-cache-dtype fp8   # 64 requests of 6k-14k prompt tokens
 
 Every run after the first (the profiled one included) gets new random token ids of the same prompt lengths and
 the same output lengths: the same work, and nothing for the prefix cache to find from an earlier run.
@@ -17,41 +18,61 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
+# prompt lengths uniform in [min_input_len, max_input_len], output lengths likewise
+WORKLOADS: dict[str, dict] = {
+    "default": dict(num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100, max_output_len=1024,
+                    max_model_len=4096),
+    # decode over long contexts, where reading the KV cache is most of the run (issue 20)
+    "long-context": dict(num_seqs=64, min_input_len=6000, max_input_len=14000, min_output_len=200,
+                         max_output_len=800, max_model_len=16384),
+}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: random Qwen3 weights)")
     parser.add_argument("--shape", default="Qwen3-0.6B", help="shape of the random checkpoint when --model is unset")
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--num-seqs", type=int, default=None)
+    parser.add_argument("--min-input-len", type=int, default=None)
+    parser.add_argument("--max-input-len", type=int, default=None)
+    parser.add_argument("--min-output-len", type=int, default=None)
+    parser.add_argument("--max-output-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--attention-backend", default=None, choices=["triton", "flash_attn", "torch"],
                         help="default: the fastest for the device")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument("--workload", default="default", choices=sorted(WORKLOADS),
+                        help="preset prompt/output lengths; the explicit length flags override it")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="profile one more run: CPU phases, GPU kernel classes")
     args = parser.parse_args()
+    for name, value in WORKLOADS[args.workload].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     path = args.model or default_checkpoint(args.shape)
     start = time.perf_counter()
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend)
+              tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype)
     startup = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
     seed(0)
     max_id = min(10000, llm.vocab_size - 1)
-    prompts = [[randint(0, max_id) for _ in range(randint(min(100, args.max_input_len), args.max_input_len))]
+    prompts = [[randint(0, max_id) for _ in range(randint(min(args.min_input_len, args.max_input_len),
+                                                          args.max_input_len))]
                for _ in range(args.num_seqs)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True,
-                             max_tokens=randint(min(100, args.max_output_len), args.max_output_len))
+                             max_tokens=randint(min(args.min_output_len, args.max_output_len), args.max_output_len))
               for _ in range(args.num_seqs)]
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"device: {device}, date: {date.today()}, model: {path}, startup: {startup:.1f} s, "
-          f"KV blocks: {llm.model_runner.num_kvcache_blocks}, attention: {llm.model_runner.backend.name}")
+          f"KV blocks: {llm.model_runner.num_kvcache_blocks} ({args.kv_cache_dtype}), "
+          f"attention: {llm.model_runner.backend.name}, workload: {args.workload}")
     if args.runs > 1 or args.profile:
         print("runs after the first use fresh random token ids (same prompt and output lengths), "
               "so they get no prefix-cache hits from earlier runs")

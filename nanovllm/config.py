@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.attention import BACKEND_NAMES
+from nanovllm.attention.kv_quant import check_kv_cache_dtype
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class Config:
     attention_backend: str | None = None  # None: the fastest for the device; see nanovllm.attention
     async_scheduling: bool = True  # launch step n+1 before reading step n's tokens back
     max_logprobs: int = 20  # the most logprobs a request may ask for, as vLLM's
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see attention/kv_quant.py
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
@@ -45,6 +47,10 @@ class Config:
         if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(f"attention_backend={self.attention_backend!r} is unknown; choose one of "
                              f"{BACKEND_NAMES} or None (the fastest for the device)")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' (or None) "
+                             f"on the GPU: flash-attn's paged decode cannot read an FP8 cache")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model)

@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
-from nanovllm.attention.flash_attn_backend import _store_kvcache_kernel
+from nanovllm.attention.flash_attn_backend import _store_kvcache_fp8_kernel, _store_kvcache_kernel
 from nanovllm.layers.gumbel_max import _gumbel_max
 from nanovllm.attention.paged_decode import _decode_attention
 from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
@@ -22,20 +22,30 @@ from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
 POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i32", "block_tables_ptr": "*i32",
             "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
             "temperatures_ptr": "*fp32", "part_score_ptr": "*fp32", "part_index_ptr": "*i32"}
+# an FP8 KV cache (issue 20): float8 e4m3 rows and float32 scales
+FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)
+NORM_ROPE = dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64)
 KERNELS = [
-    (_qk_norm_rope_kernel, dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64, STORE_KV=True)),
-    (_qk_norm_rope_kernel, dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64, STORE_KV=False)),
-    (_decode_attention, dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)),
-    (_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True)),
-    (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024)),
-    (_silu_and_mul_kernel, dict(BLOCK=1024)),
+    (_qk_norm_rope_kernel, dict(NORM_ROPE, STORE_KV=True, FP8_KV=False), {}),
+    (_qk_norm_rope_kernel, dict(NORM_ROPE, STORE_KV=False, FP8_KV=False), {}),
+    (_qk_norm_rope_kernel, dict(NORM_ROPE, STORE_KV=True, FP8_KV=True), FP8),
+    (_decode_attention, dict(DECODE, KV_SCALES=0), {}),
+    (_decode_attention, dict(DECODE, KV_SCALES=1), FP8),
+    (_decode_attention, dict(DECODE, KV_SCALES=2), FP8),
+    (_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True), {}),
+    (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024), {}),
+    (_store_kvcache_fp8_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), FP8),
+    (_silu_and_mul_kernel, dict(BLOCK=1024), {}),
 ]
 failed = 0
-for kernel, constexprs in KERNELS:
+for kernel, constexprs, overrides in KERNELS:
     types = {}
     for name in kernel.arg_names:
         if name in constexprs:
             types[name] = "constexpr"
+        elif name in overrides:
+            types[name] = overrides[name]
         elif name == "out_ptr" and kernel is _gumbel_max:
             types[name] = "*i64"
         elif name in POINTERS:
@@ -67,4 +77,4 @@ def test_every_kernel_compiles_for_sm90():
     result = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 6, result.stdout
+    assert result.stdout.count("compiled") == 10, result.stdout

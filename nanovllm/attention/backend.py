@@ -10,10 +10,17 @@ from nanovllm.utils.context import Context
 
 @dataclass
 class LayerKV:
-    """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous."""
+    """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous. An FP8
+    cache (attention/kv_quant.py) also has each row's float32 scale, [blocks, block_size, kv_heads] each."""
 
     k: torch.Tensor
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 class AttentionBackend:

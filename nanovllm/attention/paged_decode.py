@@ -4,6 +4,10 @@ Decode is bound by reading the KV cache, so this kernel is built around one idea
 exactly once, for all query heads that share it (GQA), with enough independent programs in flight to keep HBM
 busy. Each program takes one (sequence, KV head, slice of the context) and keeps an online softmax; the last
 slice of a sequence to finish merges the slices by their log-sum-exp.
+
+An FP8 cache (attention/kv_quant.py) halves the bytes read: rows are widened to the query's dtype for the dot
+products and their scales applied to the results, a key's scale to its column of logits and a value's to its
+probability, so the math stays in bf16 x bf16 -> float32 as for a bf16 cache.
 """
 import torch
 import triton
@@ -21,12 +25,14 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
 
 @triton.jit
 def _decode_attention(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride, cache_block_stride,
-    cache_token_stride, cache_head_stride,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride,
+    cache_block_stride, cache_token_stride, cache_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, KV_SCALES: tl.constexpr,
 ):
+    # KV_SCALES: 0 no scales (a bf16 cache), 1 one per row (the engine's FP8 cache, [blocks, PAGE, kv_heads]),
+    # 2 one for all of K and one for all of V (a static per-layer scale, for benchmarks/microbench_fp8_decode.py)
     # KV heads vary fastest in the grid: the programs of one sequence's heads start together and read the same
     # cache rows (a token's heads sit side by side), which HBM serves faster than one head of many sequences
     kv_head = tl.program_id(0)
@@ -49,6 +55,9 @@ def _decode_attention(
     end = tl.minimum(start + split_len, context_len)
 
     q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)
+    if KV_SCALES == 2:
+        k_layer_scale = tl.load(k_scale_ptr)
+        v_layer_scale = tl.load(v_scale_ptr)
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denominator = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -59,15 +68,26 @@ def _decode_attention(
         valid = tokens < end
         offsets = (page * cache_block_stride + (tokens % PAGE)[:, None] * cache_token_stride
                    + kv_head * cache_head_stride + dims[None, :])
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # base-2 logits: exp2 is the cheap instruction
+        if KV_SCALES == 1:
+            rows = page * PAGE * NUM_KV_HEADS + (tokens % PAGE) * NUM_KV_HEADS + kv_head
+            scores = scores * tl.load(k_scale_ptr + rows, mask=valid, other=0.0)[None, :]
+        elif KV_SCALES == 2:
+            scores = scores * k_layer_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         probs = tl.exp2(scores - new_max[:, None])
         rescale = tl.exp2(running_max - new_max)
         denominator = denominator * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
+        if KV_SCALES == 1:
+            weights = probs * tl.load(v_scale_ptr + rows, mask=valid, other=0.0)[None, :]
+        elif KV_SCALES == 2:
+            weights = probs * v_layer_scale
+        else:
+            weights = probs
+        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
         running_max = new_max
 
     if slices == 1:
@@ -103,8 +123,11 @@ def _decode_attention(
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            counters: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, max_splits: int | None = None) -> torch.Tensor:
+                           num_stages: int = 2, max_splits: int | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [blocks, page, kv_heads, head_dim]; block_tables [batch, width] int32.
+    An FP8 cache comes with float32 scales: k_scale/v_scale [blocks, page, kv_heads] (one per row), or [1]
+    each (one per layer).
 
     Returns [batch, heads, head_dim]: sequence i attends to its first context_lens[i] cached tokens (a row
     with context 0, as CUDA-graph padding has, gets zeros). `counters` is int32 scratch of at least
@@ -115,6 +138,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert q.stride(2) == 1 and q.stride(1) == head_dim
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert block_tables.stride(1) == 1 and head_dim == triton.next_power_of_2(head_dim)
+    kv_scales = 0
+    if k_scale is not None:
+        kv_scales = 2 if k_scale.numel() == 1 else 1
+        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape
+        assert kv_scales == 2 or (k_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous()
+                                  and v_scale.is_contiguous())
+    else:
+        assert k_cache.dtype == q.dtype, f"a {k_cache.dtype} cache needs its scales"
     if counters is None:
         counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     assert counters.numel() >= batch * num_kv_heads and counters.dtype == torch.int32
@@ -129,11 +160,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _decode_attention[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_out, part_lse, counters,
         scale * 1.4426950408889634, split_len, num_splits, q.stride(0), out.stride(0), block_tables.stride(0),
         *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), KV_SCALES=kv_scales, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

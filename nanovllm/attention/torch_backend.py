@@ -2,14 +2,27 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
+from nanovllm.attention.kv_quant import dequantize_rows, quantize_rows
 from nanovllm.utils.context import Context
 
 
 def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
     keep = slot_mapping != -1
     slots = slot_mapping[keep]
-    cache.k.view(-1, *k.shape[1:])[slots] = k[keep]
-    cache.v.view(-1, *v.shape[1:])[slots] = v[keep]
+    if not cache.quantized:
+        cache.k.view(-1, *k.shape[1:])[slots] = k[keep]
+        cache.v.view(-1, *v.shape[1:])[slots] = v[keep]
+        return
+    for x, rows, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        rows.view(-1, *x.shape[1:])[slots], scales.view(-1, x.size(1))[slots] = quantize_rows(x[keep])
+
+
+def cached_rows(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of `blocks` in order, [len(blocks) * block_size, kv_heads, head_dim], in `dtype`."""
+    if not cache.quantized:
+        return cache.k[blocks].flatten(0, 1), cache.v[blocks].flatten(0, 1)
+    return (dequantize_rows(cache.k[blocks], cache.k_scale[blocks], dtype).flatten(0, 1),
+            dequantize_rows(cache.v[blocks], cache.v_scale[blocks], dtype).flatten(0, 1))
 
 
 class TorchBackend(AttentionBackend):
@@ -41,9 +54,8 @@ class TorchBackend(AttentionBackend):
         out = torch.empty_like(q)
         for i, (q_start, q_end, k_len) in enumerate(spans):
             if block_tables is not None:
-                blocks = block_tables[i]
-                keys = cache.k[blocks].flatten(0, 1)[:k_len]
-                values = cache.v[blocks].flatten(0, 1)[:k_len]
+                keys, values = cached_rows(cache, block_tables[i][:-(-k_len // cache.k.size(1))], q.dtype)
+                keys, values = keys[:k_len], values[:k_len]
             else:
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = _causal_attention(q[q_start:q_end], keys, values, scale)

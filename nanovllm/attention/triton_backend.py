@@ -25,10 +25,11 @@ class TritonBackend(FlashAttnBackend):
         if qk_norms is None:  # the fused kernel is Qwen3's norm + RoPE; other models take the plain path
             return super().rope_and_store(positions, q, k, v, rope, qk_norms, cache, slot_mapping)
         q_norm, k_norm = qk_norms
-        destination = None if cache is None else KVDestination(v, cache.k, cache.v, slot_mapping)
+        destination = None if cache is None else KVDestination(v, cache.k, cache.v, slot_mapping, cache.k_scale,
+                                                                  cache.v_scale)
         return qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache,
                             destination)
 
     def decode(self, q: torch.Tensor, cache: LayerKV, context: Context, scale: float) -> torch.Tensor:
         return paged_decode_attention(q, cache.k, cache.v, context.block_tables, context.context_lens, scale,
-                                      self.split_counters)
+                                      self.split_counters, k_scale=cache.k_scale, v_scale=cache.v_scale)

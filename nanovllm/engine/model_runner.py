@@ -1,9 +1,11 @@
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.attention import KVCacheLayout, make_attention_backend
+from nanovllm.attention.kv_quant import kv_cache_dtype
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
@@ -16,6 +18,8 @@ from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, model_dtype
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -52,7 +56,8 @@ class ModelRunner:
         self.sampler = Sampler(config.eos_token_ids, self.device)
         self.inputs = InputBuilder(self.block_size, -(-config.max_model_len // self.block_size), self.device)
         self.kv_layout = KVCacheLayout(hf_config.num_hidden_layers, self.block_size,
-                                       hf_config.num_key_value_heads // self.tp.size, head_dim(hf_config), self.dtype)
+                                       hf_config.num_key_value_heads // self.tp.size, head_dim(hf_config),
+                                       kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device))
         reach("loaded")
         self.warmup_model()
         reach("warmed up")
@@ -133,6 +138,10 @@ class ModelRunner:
         # every rank must agree, or block ids would mean different slots
         n = self.tp.all_reduce(torch.tensor([self.num_kvcache_blocks], device=self.device), dist.ReduceOp.MIN)
         self.num_kvcache_blocks = int(n.item())
+        if self.rank == 0:
+            logger.info("KV cache: %d blocks of %d tokens (%.2f MiB each), %s (kv_cache_dtype=%r)",
+                        self.num_kvcache_blocks, self.block_size, block_bytes / 2**20,
+                        str(self.kv_layout.dtype).removeprefix("torch."), self.config.kv_cache_dtype)
         self.kv_cache, layer_caches = self.kv_layout.allocate(self.num_kvcache_blocks, self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, cache in zip(layers, layer_caches, strict=True):

@@ -1,0 +1,130 @@
+"""FP8 KV cache on the GPU, side by side with the bf16 cache: teacher-forced acceptance against transformers in
+float32 (as tests/test_gpu.py scores the engine) in the eager, CUDA-graph, prefix-cache, tiny-KV (preemption)
+and chunked-prefill modes, and the capacity the FP8 cache gains.
+
+Each mode runs the same prompts with kv_cache_dtype 'auto' (bf16) and 'fp8' on the triton backend and prints
+one table: tokens, share that are the float32 argmax, mean and worst float32 logit gap. The bar for FP8 is
+relative to bf16 in the same mode: at most 10 points fewer exact-argmax tokens and a mean gap at most 3x bf16's
+(+0.01). FP8 rows carry 3 mantissa bits against bf16's 7, so near-ties flip more often than between two bf16
+implementations (where tests/test_gpu.py allows 3 points); a broken scale or row is far outside this bar (the
+rate falls towards zero).
+"""
+import pytest
+import torch
+from hf_reference import assert_no_leaks
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import write_random_checkpoint
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+LONGER = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096, attention_backend="triton")
+KV_DTYPES = ("auto", "fp8")
+MODES = ("graph", "eager", "prefix-cache", "tiny-KV", "chunked-prefill")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    # the checkpoint tests/test_gpu.py uses: logits peaked enough to compare
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=0.05, seed=1)
+
+
+@pytest.fixture(scope="module")
+def hf_float32(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
+
+
+def mixed_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return prompts_of(torch.randint(100, 1501, (64,), generator=g).tolist(), seed=1)
+
+
+@torch.inference_mode()
+def score(hf_float32, prompts, outputs) -> dict:
+    gaps = []
+    for prompt, output in zip(prompts, outputs):
+        completion = output["token_ids"]
+        ids = torch.tensor([prompt + completion[:-1]], device="cuda")
+        exact = hf_float32(ids).logits[0, len(prompt) - 1:].float()
+        chosen = exact.gather(1, torch.tensor(completion, device="cuda").unsqueeze(1)).squeeze(1)
+        gaps.append(exact.max(1).values - chosen)
+    gaps = torch.cat(gaps)
+    return dict(tokens=len(gaps), exact=(gaps == 0).float().mean().item(), mean_gap=gaps.mean().item(),
+                worst_gap=gaps.max().item())
+
+
+def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
+    """Each mode's (prompts, outputs) with this KV cache dtype, and the KV block count at ENGINE's budget."""
+    runs = {}
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, **ENGINE) as llm:
+        blocks = llm.model_runner.num_kvcache_blocks
+        prompts = mixed_prompts()
+        runs["graph"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+        prefix = prompts_of([1100], seed=2)[0]
+        shared = [prefix + s for s in prompts_of([5, 200, 300, 1], seed=3)]
+        first = llm.generate(shared[:1], LONGER, use_tqdm=False)
+        cached_before = llm.scheduler.block_manager.allocate
+        hits = []
+
+        def allocate(seq):
+            cached_before(seq)
+            hits.append(seq.num_cached_tokens)
+
+        llm.scheduler.block_manager.allocate = allocate
+        second = llm.generate(shared[1:], LONGER, use_tqdm=False)  # hits the blocks the first call registered
+        assert all(n >= 1024 for n in hits), hits
+        runs["prefix-cache"] = (shared, first + second)
+        assert_no_leaks(llm)
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **ENGINE) as llm:
+        runs["eager"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+    tiny = dict(ENGINE, gpu_memory_utilization=0.9)
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=24, **tiny) as llm:
+        preempted = []
+        preempt = llm.scheduler._preempt
+        llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+        runs["tiny-KV"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False))
+        assert preempted, "24 blocks were meant to be too few for 24 sequences"
+        assert_no_leaks(llm)
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=512, **ENGINE) as llm:
+        runs["chunked-prefill"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False))
+    return runs, blocks
+
+
+@pytest.fixture(scope="module")
+def results(model_path, hf_float32) -> dict:
+    table, blocks = {}, {}
+    for dtype in KV_DTYPES:
+        runs, blocks[dtype] = run_modes(model_path, dtype)
+        for mode, (prompts, outputs) in runs.items():
+            table[mode, dtype] = score(hf_float32, prompts, outputs)
+    print("\n| mode | KV cache | tokens | float32 argmax | mean gap | worst gap |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for mode in MODES:
+        for dtype in KV_DTYPES:
+            r = table[mode, dtype]
+            print(f"| {mode} | {'bf16' if dtype == 'auto' else dtype} | {r['tokens']} | {r['exact']:.1%} | "
+                  f"{r['mean_gap']:.4f} | {r['worst_gap']:.3f} |")
+    print(f"KV blocks at gpu_memory_utilization={ENGINE['gpu_memory_utilization']}: bf16 {blocks['auto']}, "
+          f"fp8 {blocks['fp8']} ({blocks['fp8'] / blocks['auto']:.2f}x)")
+    return dict(table=table, blocks=blocks)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_accepted_as_often_as_bf16_within_the_bar(results, mode):
+    bf16, fp8 = results["table"][mode, "auto"], results["table"][mode, "fp8"]
+    assert fp8["exact"] >= bf16["exact"] - 0.10, (bf16, fp8)
+    assert fp8["mean_gap"] <= 3 * bf16["mean_gap"] + 0.01, (bf16, fp8)
+    assert fp8["worst_gap"] == fp8["worst_gap"]  # not NaN
+
+
+def test_fp8_cache_holds_about_twice_the_blocks(results):
+    # 132 bytes a row (128 + a float32 scale) against 256: 1.94x for the same budget
+    assert results["blocks"]["fp8"] >= 1.85 * results["blocks"]["auto"], results["blocks"]
