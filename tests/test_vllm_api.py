@@ -207,6 +207,11 @@ def test_n_greedy_samples_each_equal_transformers_through_fork_and_copy(tiny_mod
             assert [c.token_ids for c in out.outputs] == [expected] * 3
         assert step_tokens[0] == sum(map(len, prompts)) and len(copies) == 2 * 2  # the full block needs none
         assert_no_leaks(llm)
+    # an FP8 cache copies each row's scale with it: the samples still agree with each other
+    with LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=60, kv_cache_dtype="fp8") as llm:
+        outputs = llm.generate(prompts, SamplingParams(n=3, temperature=0, max_tokens=20, ignore_eos=True),
+                               use_tqdm=False)
+        assert all(c.token_ids == out.outputs[0].token_ids for out in outputs for c in out.outputs)
 
 
 def record_steps(llm: LLM) -> tuple[list[int], list[tuple[int, int]]]:
