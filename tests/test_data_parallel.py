@@ -4,7 +4,6 @@ import os
 import re
 import signal
 import time
-import warnings
 
 import pytest
 from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, request, write_lines
@@ -145,6 +144,7 @@ def replica_pids(parent: int) -> list[int]:
 
 
 @needs_ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own
 def test_ray_dp2_equals_dp1_and_survives_a_killed_actor(tiny_model, tmp_path, local_ray, capsys):
     lines = [request(f"r{i}", {"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
              for i, p in enumerate(prompts(8))]
@@ -157,8 +157,24 @@ def test_ray_dp2_equals_dp1_and_survives_a_killed_actor(tiny_model, tmp_path, lo
     dp1, dp2 = by_id(tmp_path / "dp1.jsonl"), by_id(tmp_path / "ray.jsonl")
     assert {cid: choices(r) for cid, r in dp2.items()} == {cid: choices(r) for cid, r in dp1.items()}
     expected = reference(tiny_model, 24)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # Ray's own
-        with DataParallel(tiny_model, 2, "ray", **OPTIONS) as dp:
-            seen, warning = kill_mid_run(dp, 24, lambda dp: ray.kill(dp.replicas.actors[0]))
+    with DataParallel(tiny_model, 2, "ray", **OPTIONS) as dp:
+        seen, warning = kill_mid_run(dp, 24, lambda dp: ray.kill(dp.replicas.actors[0]))
     assert seen == expected and "Ray actor" in warning and "lost: " in warning
+
+
+@needs_ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own
+def test_ray_data_example_from_the_docs(tiny_model, local_ray):
+    """docs/data_parallel.md's Ray Data example, run as written (its code block, on CPU)."""
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                           "data_parallel.md")) as f:
+        doc = f.read()
+    code = re.search(r"## Ray Data\n.*?```python\n(.*?)```", doc, re.S).group(1)
+    example: dict = {}
+    exec(compile(code, "docs/data_parallel.md", "exec"), example)
+    texts = [f"prompt number {i} says" for i in range(6)]
+    rows = example["generate_all"](tiny_model, texts, replicas=2, num_gpus=0, **OPTIONS)
+    with LLM(tiny_model, **OPTIONS) as llm:
+        expected = {t: o.outputs[0].text for t, o in zip(texts, llm.generate(texts, SamplingParams(
+            temperature=0, max_tokens=32), use_tqdm=False))}
+    assert {row["prompt"]: row["text"] for row in rows} == expected
