@@ -8,6 +8,7 @@ The chat workload: 4,096 completions of random token ids, prompts of 20-200 toke
 seed 0), temperature 0.6, ignore_eos.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -86,7 +87,11 @@ def gpu(args: argparse.Namespace) -> None:
         inp = os.path.join(tmp, "in.jsonl")
         write_workload(inp, args.requests)
         rates = {}
-        for name, flags in (("DP=1", []), ("DP=2 mp", ["-dp", "2"]), ("DP=2 ray", ["-dp", "2", "-dpb", "ray"])):
+        runs = [("DP=1", []), ("DP=2 mp", ["-dp", "2"]), ("DP=2 ray", ["-dp", "2", "-dpb", "ray"])]
+        if importlib.util.find_spec("ray") is None:
+            print("ray is not installed here (pip install -e '.[ray]'): DP=2 ray is left out", flush=True)
+            runs.pop()
+        for name, flags in runs:
             out = os.path.join(tmp, name.replace(" ", "-").replace("=", "") + ".jsonl")
             start = time.perf_counter()
             proc = subprocess.Popen([sys.executable, "-m", "nanovllm", "run-batch", "-i", inp, "-o", out,
@@ -98,8 +103,8 @@ def gpu(args: argparse.Namespace) -> None:
             summary = stderr.strip().splitlines()[-1]
             print(f"{name}: {rates[name]:.1f} req/s from first to last record ({last - first:.1f} s; "
                   f"{time.perf_counter() - start:.1f} s wall with startup); {summary}", flush=True)
-        print(f"DP=2 mp / DP=1: {rates['DP=2 mp'] / rates['DP=1']:.2f}x; DP=2 ray / DP=2 mp: "
-              f"{rates['DP=2 ray'] / rates['DP=2 mp']:.3f}")
+        print(f"DP=2 mp / DP=1: {rates['DP=2 mp'] / rates['DP=1']:.2f}x" +
+              (f"; DP=2 ray / DP=2 mp: {rates['DP=2 ray'] / rates['DP=2 mp']:.3f}" if "DP=2 ray" in rates else ""))
 
 
 def records_over_time(proc: subprocess.Popen, path: str) -> tuple[float, float]:
