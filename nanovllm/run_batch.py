@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
+from nanovllm.data_parallel import BACKENDS, DataParallel, ReplicasLost
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -63,6 +64,7 @@ class Stats:
     skipped: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    per_replica: list[int] | None = None  # data parallel: requests each replica answered
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
         run.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS)
     run.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS)
     run.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+    run.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine replicas, each on its own --tensor-parallel-size GPUs (CPU: processes)")
+    run.add_argument("--data-parallel-backend", "-dpb", choices=BACKENDS, default="mp",
+                     help="mp: processes of this host; ray: Ray actors on the cluster RAY_ADDRESS names")
     return parser
 
 
@@ -217,8 +223,9 @@ class RequestSource:
         return prompt, params, Pending(custom_id, line, url == CHAT, params.logprobs if url == CHAT else None)
 
 
-def run(args: argparse.Namespace, llm: LLM | None = None) -> int:
-    """The run-batch command; `llm`: an engine to use instead of loading args.model (kept open afterwards)."""
+def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = LLM) -> int:
+    """The run-batch command. llm: an open engine to use instead of loading args.model (left open); engine_class:
+    what each replica runs (benchmarks/data_parallel.py passes one that answers instantly)."""
     start = time.perf_counter()
     try:
         scan = batch_io.scan_input(args.input_file)
@@ -240,23 +247,36 @@ def run(args: argparse.Namespace, llm: LLM | None = None) -> int:
         except OSError as error:
             return _fail(f"cannot write the output: {error}")
         with out:
-            try:
-                engine = llm or LLM(args.model, **engine_options(args))
-            except (OSError, ValueError, TypeError) as error:  # engine options and checkpoint problems
-                return _fail(f"cannot load the model: {type(error).__name__}: {error}")
+            try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
+                engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
+                                 else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
+                                                   engine_class=engine_class, **engine_options(args)))
+            except (OSError, ValueError, TypeError, ImportError) as error:  # options, checkpoint, devices, ray
+                return _fail(f"cannot start the engine: {type(error).__name__}: {error}")
             try:
                 _generate(args, engine, out, done, todo, stats)
             except KeyboardInterrupt:  # every finished result is on disk already
                 _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
                       f"command again to resume")
                 return 130
+            except ReplicasLost as error:  # as above: what was answered is on disk
+                return _fail(f"{error}; {stats.succeeded + stats.failed} of {todo} requests were answered; "
+                             f"run the same command again to resume")
             finally:
                 if llm is None:
                     engine.exit()
+            if isinstance(engine, DataParallel):
+                stats.per_replica = engine.answered
     print(f"nanovllm run-batch: {stats.succeeded} succeeded, {stats.failed} failed, {stats.skipped} skipped "
           f"(already done); {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated tokens; "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"{time.perf_counter() - start:.1f} s" + (f"; per replica: {stats.per_replica}" if stats.per_replica else ""),
+          file=sys.stderr)
     return 0
+
+
+def _serial(args: argparse.Namespace) -> bool:
+    """One engine in this process: no replica processes or actors to start."""
+    return args.data_parallel_size == 1 and args.data_parallel_backend == "mp"
 
 
 def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, done: Done, todo: int,

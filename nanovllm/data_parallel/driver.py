@@ -1,0 +1,186 @@
+"""The data-parallel driver: N engine replicas fed from one queue as they free up, results streamed back.
+
+Feeding is dynamic: every replica holds at most `credit` requests (its engine's window of 2 x max_num_seqs
+plus max_num_seqs in transit, so the engine never waits on the driver), and each answer frees room for the next
+request, so a replica busy with long requests simply takes fewer (no static split that leaves the others idle
+at the end). The driver keeps the table of what each replica holds; when one dies its unanswered requests go
+back to the front of the queue for the others, and an answer counts only while its replica still holds the
+request, so each is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
+"""
+import itertools
+import warnings
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from nanovllm.config import Config
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.prompts import Prompt
+from nanovllm.llm import LLM
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tokenizer import load_tokenizer
+
+from .replica import DRAIN, Work
+
+BACKENDS = ("mp", "ray")
+POLL_S = 0.2  # the longest the driver waits for answers before it looks at liveness and its queue again
+
+
+class ReplicasLost(RuntimeError):
+    """Every replica died; the requests they held are unanswered (a resumable run-batch picks them up)."""
+
+
+@dataclass
+class Held:
+    """What the driver knows of one replica."""
+
+    name: str
+    requests: dict[int, Work] = field(default_factory=dict)  # sent and not answered yet
+    drained: bool = True  # told DRAIN since its last work
+    alive: bool = True
+    answered: int = 0
+    fate: str = ""  # why it is gone
+
+
+class DataParallel:
+    """N replicas of LLM(model, **engine_options), each on its own tensor_parallel_size GPUs (or on CPU), in
+    processes of this host (backend "mp") or as Ray actors (backend "ray"). iter_generate() is LLM's, spread
+    over them. Duck-types the parts of LLM that run-batch uses (config, tokenizer, chat_prompt,
+    get_default_sampling_params), all from the driver's own tokenizer and config: the driver loads no model."""
+
+    chat_prompt = LLMEngine.chat_prompt  # they read only self.tokenizer and self.config
+    get_default_sampling_params = LLMEngine.get_default_sampling_params
+
+    def __init__(self, model: str, data_parallel_size: int, backend: str = "mp", *, engine_class: type = LLM,
+                 **engine_options) -> None:
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"data-parallel backend must be one of {BACKENDS}, got {backend!r}")
+        # options are checked here, once, rather than failing in every replica
+        self.config = Config.from_options(model, **engine_options)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.credit = 3 * self.config.max_num_seqs
+        if backend == "mp":
+            from .processes import ProcessReplicas as Replicas
+        else:
+            from .ray_actors import RayReplicas as Replicas
+        self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options)
+        self.held = [Held(name) for name in self.replicas.names]
+        self._clean = False
+
+    @property
+    def answered(self) -> list[int]:
+        """How many requests each replica has answered so far."""
+        return [h.answered for h in self.held]
+
+    def iter_generate(self, prompts: Iterable[Prompt],
+                      sampling_params: SamplingParams | Iterable[SamplingParams] | None = None, *,
+                      errors: str = "raise") -> Iterator[tuple[int, RequestOutput | Exception]]:
+        """Yield (input index, output) as each request finishes on any replica, pulling prompts (and their
+        params, in step) only as far as the replicas have room. errors: as LLM.iter_generate. Raises
+        ReplicasLost when no replica is left."""
+        if errors not in ("raise", "yield"):
+            raise ValueError(f"errors must be 'raise' or 'yield', got {errors!r}")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = itertools.repeat(sampling_params or SamplingParams())
+        for index, output in self._run(_requests(prompts, sampling_params)):
+            if isinstance(output, Exception) and errors == "raise":
+                raise output
+            yield index, output
+
+    def _run(self, requests: Iterator[Work]) -> Iterator[tuple[int, RequestOutput | Exception]]:
+        retry: deque[Work] = deque()  # a dead replica's requests, handed out before new ones
+        exhausted = False
+        while True:
+            exhausted = self._feed(requests, retry, exhausted)
+            if exhausted and not retry and not any(h.requests for h in self.held):
+                self._clean = True
+                return
+            for r, (kind, payload) in self.replicas.receive(POLL_S):
+                held = self.held[r]
+                if not held.alive:
+                    continue
+                if kind == "result":
+                    index, output = payload
+                    if held.requests.pop(index, None) is not None:  # else it was handed to another already
+                        held.answered += 1
+                        yield index, output
+                elif kind == "ready":  # where it runs: a Ray actor's host is known only now
+                    held.name = held.name[:-1] + f", on {payload})"
+                else:  # "error": the replica stops; its engine's last words name the cause
+                    self.replicas.kill(r)
+                    self._lose(r, payload, retry)
+            for r, reason in self.replicas.lost().items():
+                if self.held[r].alive:
+                    self._lose(r, reason, retry)
+
+    def _feed(self, requests: Iterator[Work], retry: deque[Work], exhausted: bool) -> bool:
+        """Top every live replica up to its credit, one request at a time to the least loaded; DRAIN the ones
+        that hold work once nothing is left to hand out. Returns whether the input is exhausted."""
+        batches: dict[int, list] = {}
+        while True:
+            r, held = min(((r, h) for r, h in enumerate(self.held) if h.alive),
+                          key=lambda pair: len(pair[1].requests))
+            if len(held.requests) >= self.credit:
+                break
+            work = retry.popleft() if retry else None if exhausted else next(requests, None)
+            if work is None:
+                exhausted = True
+                break
+            held.requests[work.index] = work
+            batches.setdefault(r, []).append(work)
+        if exhausted and not retry:  # a session ends only once nothing is left for it
+            for r, held in enumerate(self.held):
+                if held.alive and not held.drained:
+                    batches.setdefault(r, []).append(DRAIN)
+        for r, items in batches.items():
+            self.held[r].drained = items[-1] == DRAIN
+            self.replicas.send(r, items)
+        return exhausted
+
+    def _lose(self, r: int, reason: str, retry: deque[Work]) -> None:
+        held = self.held[r]
+        held.alive, held.fate = False, reason
+        lost = sorted(held.requests.values(), key=lambda work: work.index)
+        held.requests = {}
+        retry.extendleft(reversed(lost))
+        left = sum(h.alive for h in self.held)
+        warnings.warn(f"data-parallel {held.name} is gone ({reason}); its {len(lost)} unfinished requests go to "
+                      f"the {left} replica(s) left", RuntimeWarning, stacklevel=2)
+        if not left:
+            raise ReplicasLost("every data-parallel replica is gone: " +
+                               "; ".join(f"{h.name}: {h.fate}" for h in self.held) +
+                               f"; {len(retry)} requests they held are unanswered")
+
+    def exit(self) -> None:
+        """Stop the replicas (a clean stop lets engines release their memory; otherwise they are interrupted)."""
+        if getattr(self, "replicas", None) is not None:
+            replicas, self.replicas = self.replicas, None
+            replicas.close(self._clean)
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.exit()
+
+
+def _requests(prompts: Iterable[Prompt], params: Iterable[SamplingParams]) -> Iterator[Work]:
+    params = iter(params)
+    for index, prompt in enumerate(prompts):
+        p = next(params, None)  # pulled with its prompt, never ahead, as run-batch's RequestSource needs
+        if p is None:
+            raise ValueError(f"sampling_params ran out at prompt {index}: pass one SamplingParams, or one per prompt")
+        yield Work(index, prompt, p)
+
+
+def iter_generate(model: str, prompts: Iterable[Prompt],
+                  sampling_params: SamplingParams | Iterable[SamplingParams] | None = None, *,
+                  data_parallel_size: int, backend: str = "mp", errors: str = "raise",
+                  **engine_options) -> Iterator[tuple[int, RequestOutput | Exception]]:
+    """LLM(model, **engine_options).iter_generate(prompts, sampling_params) over `data_parallel_size`
+    replicas: yields (input index, output) as each request finishes, in finishing order."""
+    with DataParallel(model, data_parallel_size, backend, **engine_options) as dp:
+        yield from dp.iter_generate(prompts, sampling_params, errors=errors)

@@ -1,0 +1,137 @@
+"""Backend "mp": replicas as spawned processes on this host, each on its own group of GPUs (or on CPU).
+
+Each replica has its own pipe. The driver closes its copy of the replica's end, so a replica that dies, even
+mid-message, reads as end-of-file once what it sent before dying has been read: no wait on a dead process. A
+thread in the replica moves incoming work into a local queue as it arrives, so the driver's sends never wait on
+an engine that is busy sending results (two full pipes waiting on each other).
+"""
+import os
+import queue
+import signal
+import threading
+from multiprocessing import connection, get_context
+
+from nanovllm.data_parallel.replica import STOP, serve
+
+JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
+
+
+def device_groups(replicas: int, tp: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each replica: consecutive groups of `tp` of this process's visible GPUs; None
+    for every replica where there is no GPU (CPU replicas)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return [None] * replicas
+    count = torch.cuda.device_count()
+    if replicas * tp > count:
+        raise ValueError(f"data_parallel_size={replicas} x tensor_parallel_size={tp} needs {replicas * tp} GPUs "
+                         f"but {count} are visible")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",") if visible else [str(i) for i in range(count)]
+    return [",".join(names[r * tp:(r + 1) * tp]) for r in range(replicas)]
+
+
+def _replica_main(conn: connection.Connection, engine_class: type, model: str, options: dict,
+                  devices: str | None, threads: int | None) -> None:
+    # before anything touches CUDA (importing torch does not): the engine sees only its own GPUs, as cuda:0..
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    if threads is not None:  # CPU replicas share the cores rather than each taking all of them
+        import torch
+
+        torch.set_num_threads(threads)
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        try:
+            while True:
+                for item in conn.recv():
+                    inbox.put(item)
+        except (EOFError, OSError):  # the driver is gone: finish up and exit
+            inbox.put(STOP)
+
+    threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
+    try:
+        serve(lambda: engine_class(model, **options), inbox, conn.send)
+    except (BrokenPipeError, KeyboardInterrupt):  # the driver left or stopped us: not worth a traceback
+        pass
+
+
+class ProcessReplicas:
+    """Starts the replica processes and carries messages to and from them."""
+
+    def __init__(self, replicas: int, engine_class: type, model: str, options: dict) -> None:
+        devices = device_groups(replicas, options.get("tensor_parallel_size", 1))
+        threads = None
+        if devices[0] is None and "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, (os.cpu_count() or 1) // replicas)
+        ctx = get_context("spawn")  # a CUDA context does not survive fork; spawn also suits every platform
+        self.conns: list[connection.Connection] = []
+        self.processes = []
+        self.ended: set[int] = set()  # replicas whose pipe reached end-of-file
+        self.reported: set[int] = set()  # ... and that lost() has named
+        for r, group in enumerate(devices):
+            parent, child = ctx.Pipe()
+            # not a daemon: daemonic processes may not start the engine's own tensor-parallel workers
+            process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
+                                  args=(child, engine_class, model, options, group, threads))
+            process.start()
+            child.close()  # so that the replica's death is end-of-file here
+            self.conns.append(parent)
+            self.processes.append(process)
+        self.names = [f"replica {r} (pid {p.pid}{f', GPUs {g}' if g else ', CPU'})"
+                      for r, (p, g) in enumerate(zip(self.processes, devices))]
+
+    def send(self, r: int, items: list) -> None:
+        try:
+            self.conns[r].send(items)
+        except OSError:  # it died; its end-of-file tells the driver
+            pass
+
+    def receive(self, timeout: float) -> list[tuple[int, tuple]]:
+        """(replica, message) for every message that is here within `timeout` s."""
+        live = {self.conns[r]: r for r in range(len(self.conns)) if r not in self.ended}
+        messages = []
+        for conn in connection.wait(list(live), timeout):
+            r = live[conn]
+            try:
+                while conn.poll():
+                    messages.append((r, conn.recv()))
+            except (EOFError, OSError):
+                self.ended.add(r)
+        return messages
+
+    def lost(self) -> dict[int, str]:
+        """Replicas gone since the last call, with why (exit code or signal)."""
+        gone = {}
+        for r in sorted(self.ended - self.reported):
+            self.reported.add(r)
+            process = self.processes[r]
+            process.join(timeout=5)
+            code = process.exitcode
+            gone[r] = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
+                       f"exited with code {code}" if code is not None else "closed its pipe")
+        return gone
+
+    def kill(self, r: int) -> None:
+        if self.processes[r].is_alive():
+            self.processes[r].kill()
+        self.ended.add(r)
+
+    def close(self, clean: bool) -> None:
+        """Stop every replica: STOP after a clean run; otherwise Ctrl-C, so engines abort and free their
+        workers and shared memory; a replica that does not go within JOIN_S s is killed."""
+        for r, process in enumerate(self.processes):
+            if process.is_alive():
+                if clean:
+                    self.send(r, [STOP])
+                else:
+                    os.kill(process.pid, signal.SIGINT)
+        for process in self.processes:
+            process.join(timeout=JOIN_S)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        for conn in self.conns:
+            conn.close()

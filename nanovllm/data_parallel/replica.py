@@ -1,0 +1,81 @@
+"""One data-parallel replica: an engine fed from an inbox, sending back each result the moment it finishes.
+
+The same loop runs in a spawned process (backend "mp") and in a Ray actor (backend "ray"); only the transport
+around it differs. The driver's messages are work items (Work), DRAIN (no more work for now: finish what you
+hold) and STOP. The replica's messages are ("ready", its host), ("result", (index, output or exception)) and
+("error", text), the last one it sends before it goes away.
+"""
+import queue
+import socket
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from nanovllm.sampling_params import SamplingParams
+
+DRAIN, STOP = "drain", "stop"
+
+
+class Work(NamedTuple):
+    index: int  # the request's index in the driver's input
+    prompt: object
+    params: SamplingParams
+
+
+def serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None]) -> None:
+    """Load the engine, then run sessions until STOP. A session is one iter_generate over work pulled from the
+    inbox as the engine has room, ended by DRAIN, so that work the driver hands out later (a dead peer's
+    requests) starts a new session rather than needing the end of the input to be known in advance."""
+    try:
+        engine = make_engine()
+    except BaseException as error:
+        _try_send(send, ("error", f"the engine failed to start: {_describe(error)}"))
+        raise
+    send(("ready", socket.gethostname()))
+    with engine:
+        while (item := inbox.get()) != STOP:
+            if item != DRAIN and not _session(engine, item, inbox, send):
+                break
+
+
+def _session(engine, first: Work, inbox: queue.Queue, send: Callable[[tuple], None]) -> bool:
+    """Run work until DRAIN (True) or STOP (False); the engine pulls the next item whenever it has room."""
+    index_of: dict[int, int] = {}  # the engine's own index (its pull order) -> the driver's index
+    params: deque[SamplingParams] = deque()
+    stopped, pulled = False, 0
+
+    def prompts() -> Iterator[object]:
+        nonlocal stopped, pulled
+        item = first
+        while isinstance(item, Work):
+            index_of[pulled] = item.index
+            pulled += 1
+            params.append(item.params)
+            yield item.prompt
+            # blocks the engine only when the driver has fallen a whole slack (max_num_seqs items) behind
+            item = inbox.get()
+        stopped = item == STOP
+
+    def params_in_step() -> Iterator[SamplingParams]:
+        while True:
+            yield params.popleft()
+
+    try:
+        for local, output in engine.iter_generate(prompts(), params_in_step(), errors="yield"):
+            send(("result", (index_of.pop(local), output)))
+    except BaseException as error:
+        _try_send(send, ("error", f"generation failed: {_describe(error)}"))
+        raise
+    return not stopped
+
+
+def _describe(error: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(error), error)).strip()
+
+
+def _try_send(send: Callable[[tuple], None], message: tuple) -> None:
+    try:
+        send(message)
+    except Exception:  # the driver is gone too: nobody left to tell
+        pass
