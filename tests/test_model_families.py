@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_reference import assert_no_leaks, hf_greedy
 from test_e2e_transformers import random_prompts
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.random_checkpoint import write_tokenizer
@@ -27,6 +27,15 @@ FAMILIES = {
                                                rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
     "qwen2-tied": lambda: Qwen2Config(**TINY, tie_word_embeddings=True),
     "qwen2-untied": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
+    # 8 experts, 2 per token; layer 1 dense (mlp_only_layers)
+    "qwen3-moe": lambda: Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 3}, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+                                        tie_word_embeddings=False),
+    # every other layer sparse (decoder_sparse_step), weights not renormalised, tied
+    "qwen3-moe-step2-tied": lambda: Qwen3MoeConfig(**{**TINY, "num_hidden_layers": 4}, num_experts=6,
+                                                   num_experts_per_tok=3, moe_intermediate_size=32,
+                                                   norm_topk_prob=False, decoder_sparse_step=2,
+                                                   tie_word_embeddings=True),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [1, 7, 100, 255, 257, 513]
@@ -67,9 +76,10 @@ def test_greedy_identical_to_transformers(family):
 
 
 def test_tensor_parallel_2_identical_to_transformers(tmp_path):
-    # Qwen2's q/k/v biases are split with their heads; the Llama biases on o and down are added once
+    # Qwen2's q/k/v biases are split with their heads; the Llama biases on o and down are added once; each
+    # expert's intermediate dimension is split
     prompts = random_prompts([300, 40, 90], seed=12)
-    for name in ("qwen2-untied", "llama-untied-biases"):
+    for name in ("qwen2-untied", "llama-untied-biases", "qwen3-moe"):
         path = write_hf_checkpoint(FAMILIES[name](), str(tmp_path / name), seed=1)
         hf_model = AutoModelForCausalLM.from_pretrained(path).eval()
         with LLM(path, num_kvcache_blocks=16, kvcache_block_size=64, tensor_parallel_size=2) as llm:
@@ -90,7 +100,7 @@ def edited_copy(src: str, dst: str, **fields) -> str:
 
 def test_unsupported_config_features_are_refused_by_name(tiny_model, tmp_path):
     with pytest.raises(ValueError, match=r"architectures=\['MistralForCausalLM'\].*supported: \['LlamaForCausalLM', "
-                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM'"):
+                                         r"'Qwen2ForCausalLM', 'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]"):
         LLM(edited_copy(tiny_model, str(tmp_path / "mistral"), architectures=["MistralForCausalLM"],
                         model_type="mistral"))
     with pytest.raises(ValueError, match=r"rope scaling of type 'yarn' is not supported; supported: "
@@ -99,3 +109,13 @@ def test_unsupported_config_features_are_refused_by_name(tiny_model, tmp_path):
                                                                               original_max_position_embeddings=1024)))
     with pytest.raises(ValueError, match="sliding-window attention"):
         LLM(edited_copy(tiny_model, str(tmp_path / "window"), use_sliding_window=True, sliding_window=64))
+
+
+def test_moe_layers_follow_the_config(tmp_path):
+    from nanovllm.models.decoder import DenseMLP
+    from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock
+
+    for name, sparse in (("qwen3-moe", [True, False, True]), ("qwen3-moe-step2-tied", [False, True, False, True])):
+        model = Qwen3MoeForCausalLM(FAMILIES[name]())
+        assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == sparse
+        assert all(isinstance(layer.mlp, DenseMLP) for layer, s in zip(model.model.layers, sparse) if not s)
