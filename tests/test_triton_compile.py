@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
+from nanovllm.layers.fused_moe import _grouped_matmul
 from nanovllm.attention.flash_attn_backend import _store_kvcache_kernel
 from nanovllm.layers.gumbel_max import _gumbel_max
 from nanovllm.attention.paged_decode import _decode_attention
@@ -21,7 +22,8 @@ from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
 # argument types by name (other names are i32); constexprs as the engine passes them for Qwen3-0.6B
 POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i32", "block_tables_ptr": "*i32",
             "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
-            "temperatures_ptr": "*fp32", "part_score_ptr": "*fp32", "part_index_ptr": "*i32"}
+            "temperatures_ptr": "*fp32", "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "weights_ptr": "*fp32",
+            "sorted_pairs_ptr": "*i32", "tile_experts_ptr": "*i32"}
 KERNELS = [
     (_qk_norm_rope_kernel, dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64, STORE_KV=True,
                                 NORM=True)),
@@ -34,6 +36,9 @@ KERNELS = [
     (_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True)),
     (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024)),
     (_silu_and_mul_kernel, dict(BLOCK=1024)),
+    # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape
+    *((_grouped_matmul, dict(A_ROW_DIVISOR=divisor, MUL_WEIGHTS=divisor == 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k))
+      for divisor in (8, 1) for m, n, k in ((16, 64, 128), (32, 64, 128), (64, 128, 64))),
 ]
 failed = 0
 for kernel, constexprs in KERNELS:
@@ -72,4 +77,4 @@ def test_every_kernel_compiles_for_sm90():
     result = subprocess.run([sys.executable, "-c", COMPILE_ALL], env=env, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 7, result.stdout
+    assert result.stdout.count("compiled") == 13, result.stdout
