@@ -119,3 +119,24 @@ def test_moe_layers_follow_the_config(tmp_path):
         model = Qwen3MoeForCausalLM(FAMILIES[name]())
         assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == sparse
         assert all(isinstance(layer.mlp, DenseMLP) for layer, s in zip(model.model.layers, sparse) if not s)
+
+
+@pytest.mark.parametrize("shape", ["Qwen3-30B-A3B", "Qwen2.5-7B", "Llama-3.2-1B", "Llama-3.1-8B"])
+def test_random_checkpoints_of_each_family_load_in_transformers_and_here(shape, tmp_path, monkeypatch):
+    """The benchmark checkpoints (bench.py --shape) of each family, shrunk, and sharded with an index as a large
+    one is: transformers reads them as the family they claim, and we generate what transformers does."""
+    from nanovllm.utils import random_checkpoint
+
+    monkeypatch.setattr(random_checkpoint, "SHARD_BYTES", 200_000)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024, dtype="float32", moe_intermediate_size=32,
+                 num_experts=8)
+    path = random_checkpoint.write_random_checkpoint(str(tmp_path / shape), shape, std=0.1, **small)
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    hf_model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert type(hf_model).__name__ == random_checkpoint.model_config(shape)["architectures"][0]
+    prompts = random_prompts([5, 300], seed=13)
+    with LLM(path, num_kvcache_blocks=8, kvcache_block_size=64) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output["token_ids"] == hf_greedy(hf_model, prompt, 24)
