@@ -13,7 +13,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
+from nanovllm.models import model_class
+from nanovllm.models.decoder import head_dim
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, model_dtype
 from nanovllm.utils.loader import load_model
@@ -46,7 +47,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
         try:
-            self.model = Qwen3ForCausalLM(hf_config, self.tp, self.backend)
+            self.model = model_class(hf_config)(hf_config, self.tp, self.backend)
         finally:
             # restored before anything is compiled: torch.compile guards on the default dtype, so kernels
             # compiled under another one than generate() runs with would all be recompiled in the first run
