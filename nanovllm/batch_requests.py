@@ -1,0 +1,93 @@
+"""One OpenAI batch request body -> a prompt and SamplingParams for the engine, or a LineError saying why not.
+
+A body field that would change the result and that is not supported is an error for its line, never ignored.
+"""
+from nanovllm.batch_io import LineError
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# body field -> SamplingParams field, for fields both endpoints take as they are
+SAMPLING_FIELDS = {name: name for name in (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
+    "include_stop_str_in_output")}
+IGNORED_FIELDS = {"model", "user"}  # they name things; the result does not depend on them
+OWN_FIELDS = {COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
+              CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                     "chat_template_kwargs"}}
+# fields we do not support, accepted only at the value that changes nothing
+NEUTRAL_VALUES = {"stream": (None, False), "stream_options": (None,), "echo": (None, False), "suffix": (None, ""),
+                  "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+                  "response_format": (None, {"type": "text"})}
+
+def check_fields(body: dict, url: str) -> None:
+    """Refuse a body field we do not support unless its value changes nothing: never ignore one silently."""
+    known = SAMPLING_FIELDS.keys() | IGNORED_FIELDS | OWN_FIELDS[url]
+    for name, value in body.items():
+        if name not in known and not (name in NEUTRAL_VALUES and value in NEUTRAL_VALUES[name]):
+            raise LineError("unsupported_parameter", f"body field {name!r}={value!r} is not supported")
+
+
+def sampling_params(body: dict, url: str, defaults: dict, max_model_len: int, prompt_len: int) -> SamplingParams:
+    """The body's sampling fields as SamplingParams (LineError naming a bad one); `defaults` fill the gaps."""
+    options = {**defaults, **{ours: body[theirs] for theirs, ours in SAMPLING_FIELDS.items()
+                              if body.get(theirs) is not None}}
+    max_tokens = body.get("max_completion_tokens") if url == CHAT else None
+    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    # as OpenAI and vLLM: 16 for completions, the rest of the context for chat (the engine caps either there)
+    options["max_tokens"] = max_tokens if max_tokens is not None else 16 if url == COMPLETIONS else \
+        max_model_len - prompt_len
+    logprobs = body.get("logprobs")
+    if url == CHAT:
+        if logprobs not in (None, True, False):
+            raise LineError("invalid_request", f"logprobs must be true or false for chat, got {logprobs!r}")
+        if body.get("top_logprobs") is not None and not logprobs:
+            raise LineError("invalid_request", "top_logprobs needs logprobs: true")
+        logprobs = (body.get("top_logprobs") or 0) if logprobs else None
+    options["logprobs"] = logprobs
+    try:
+        return SamplingParams(**options)
+    except (ValueError, TypeError) as error:
+        raise LineError("invalid_request", str(error)) from None
+
+
+def prompt_of(body: dict, url: str, llm: LLM) -> tuple[str | None, list[int]]:
+    """The prompt text (None for token ids) and its token ids; LineError where the body's prompt is unusable."""
+    if url == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, prompt
+        if not isinstance(prompt, str):
+            raise LineError("invalid_request", "prompt must be a string or a list of token ids (one prompt per "
+                                               f"line), got {type(prompt).__name__}")
+        text = prompt
+    else:
+        messages, kwargs = body.get("messages"), body.get("chat_template_kwargs")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise LineError("invalid_request", "messages must be a non-empty list of message objects")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise LineError("invalid_request", "chat_template_kwargs must be an object")
+        try:
+            text = llm.chat_prompt([_message(m) for m in messages], kwargs)
+        except LineError:
+            raise
+        except Exception as error:  # the template is user code: anything it raises is this line's error
+            raise LineError("invalid_request", f"chat template failed: {type(error).__name__}: {error}") from None
+    return text, llm.tokenizer.encode(text)
+
+
+def _message(message: dict) -> dict:
+    extra = sorted(set(message) - {"role", "content", "name"})
+    if extra:
+        raise LineError("unsupported_parameter", f"message fields {extra} are not supported")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI's content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise LineError("unsupported_parameter", "only text content parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(message.get("role"), str) or not isinstance(content, str):
+        raise LineError("invalid_request", "each message needs a string role and string (or text parts) content")
+    # name stays: a template may render it
+    return {"role": message["role"], "content": content, **({"name": message["name"]} if "name" in message else {})}
