@@ -122,8 +122,10 @@ def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     x8, x_scale = _quantize_groups_fused(x)
-    # the kernel reads activation scales column-major: [rows, groups] with stride [1, rows]
-    x_scale = x_scale.t().contiguous().t()
+    # the kernel reads activation scales column-major: [rows, groups] with stride [1, rows]; built explicitly,
+    # since .t().contiguous().t() keeps a row-major stride when there is one row
+    x_scale = torch.empty_strided(x_scale.shape, (1, x_scale.size(0)), dtype=torch.float32,
+                                  device=x_scale.device).copy_(x_scale)
     return F.scaled_mm(x8, weight.weight.t(), x_scale, F.ScalingType.BlockWise1x128, weight.kernel_scale,
                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
 

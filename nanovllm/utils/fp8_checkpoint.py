@@ -78,7 +78,8 @@ def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
 def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [out, in] -> (e4m3 weight, float32 weight_scale_inv [ceil(out/block), ceil(in/block)])."""
     rows, cols = weight.shape
-    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32)
+    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32,
+                         device=weight.device)
     padded[:rows, :cols] = weight.float()
     row_blocks, col_blocks = padded.size(0) // block, padded.size(1) // block
     # each block as one row of block*block values, so one per-row quantization gives one scale per block
