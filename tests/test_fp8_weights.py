@@ -34,16 +34,17 @@ def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return w8.float() * scale
 
 
-def write_dequantized(fp8_path: str, path: str) -> str:
-    """A float32 copy of an FP8 checkpoint that transformers loads (it cannot run FP8 weights on CPU)."""
+def write_dequantized(fp8_path: str, path: str, dtype: torch.dtype = torch.float32) -> str:
+    """A plain `dtype` copy of an FP8 checkpoint, which transformers loads (it cannot run FP8 weights on CPU)."""
     shutil.copytree(fp8_path, path)
     tensors = load_file(os.path.join(fp8_path, "model.safetensors"))
-    plain = {name: dequantize(t, tensors[name + "_scale_inv"]) if t.dtype == FP8 else t.float()
+    plain = {name: (dequantize(t, tensors[name + "_scale_inv"]) if t.dtype == FP8 else t).to(dtype)
              for name, t in tensors.items() if not name.endswith("_scale_inv")}
     save_file(plain, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     del config["quantization_config"]
+    config["dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return path
