@@ -26,8 +26,19 @@ BLOCK = 128  # the published checkpoints' weight_block_size, and the activation 
 # A copy costs the memory FP8 saves, so raise this only where the device measurement
 # (benchmarks/microbench_fp8_gemm.py) shows FP8 losing at small batches.
 BF16_BELOW_ROWS = 0
-# Hopper's fast accumulation is less exact over long reductions; the microbenchmark shows what it would gain.
+# Hopper's fast accumulation (row-wise matmuls only) is less exact over long reductions; the microbenchmark shows
+# what it would gain.
 FAST_ACCUM = False
+
+
+def _scaling_type(*names: str):
+    # torch.nn.functional.ScalingType's members were renamed between releases (Blockwise_1x128 -> BlockWise1x128)
+    kind = getattr(F, "ScalingType", None)
+    return next((getattr(kind, name) for name in names if hasattr(kind, name)), None)
+
+
+ACT_1x128 = _scaling_type("BlockWise1x128", "Blockwise_1x128")
+WEIGHT_128x128 = _scaling_type("BlockWise128x128", "Blockwise_128x128")
 
 
 @dataclass(slots=True)
@@ -50,7 +61,7 @@ def fp8_supported(device: torch.device) -> tuple[bool, bool]:
     if device.type != "cuda":
         return False, False
     capability = torch.cuda.get_device_capability(device)
-    return capability >= (8, 9), capability[0] == 9 and hasattr(F, "scaled_mm")
+    return capability >= (8, 9), capability[0] == 9 and hasattr(F, "scaled_mm") and WEIGHT_128x128 is not None
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -121,13 +132,18 @@ def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    rows = x.size(0)
+    if rows % 4:  # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4
+        x = F.pad(x, (0, 0, 0, -rows % 4))  # zero rows: scale 1, outputs dropped below
     x8, x_scale = _quantize_groups_fused(x)
     # the kernel reads activation scales column-major: [rows, groups] with stride [1, rows]; built explicitly,
     # since .t().contiguous().t() keeps a row-major stride when there is one row
     x_scale = torch.empty_strided(x_scale.shape, (1, x_scale.size(0)), dtype=torch.float32,
                                   device=x_scale.device).copy_(x_scale)
-    return F.scaled_mm(x8, weight.weight.t(), x_scale, F.ScalingType.BlockWise1x128, weight.kernel_scale,
-                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype, use_fast_accum=FAST_ACCUM)
+    # no fast accumulation: the block-scaled kernels apply the scales per 128-deep K step themselves
+    y = F.scaled_mm(x8, weight.weight.t(), x_scale, ACT_1x128, weight.kernel_scale, WEIGHT_128x128,
+                    output_dtype=x.dtype)
+    return y[:rows]
 
 
 def block_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
