@@ -3,6 +3,7 @@
     python bench.py                      # Qwen3-0.6B shape with random weights, written on first use
     python bench.py --runs 4             # first run is "cold", the median of the others "warm"
     python bench.py --workload long-context --kv-cache-dtype fp8   # 64 requests of 6k-14k prompt tokens
+    python bench.py --shape Qwen3-30B-A3B  # any shape of nanovllm/utils/random_checkpoint.py (Llama, Qwen2.5, MoE)
     python bench.py --shape Qwen3-8B --quantization fp8            # FP8 weights quantized at load
     python bench.py --shape Qwen3-8B-FP8                           # a checkpoint in the published FP8 layout
 
@@ -18,7 +19,7 @@ from random import Random, randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import default_checkpoint
+from nanovllm.utils.random_checkpoint import SHAPES, default_checkpoint
 
 # prompt lengths uniform in [min_input_len, max_input_len], output lengths likewise
 WORKLOADS: dict[str, dict] = {
@@ -35,8 +36,9 @@ WORKLOADS: dict[str, dict] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: random Qwen3 weights)")
-    parser.add_argument("--shape", default="Qwen3-0.6B", help="shape of the random checkpoint when --model is unset")
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: random weights of --shape)")
+    parser.add_argument("--shape", default="Qwen3-0.6B", choices=sorted(SHAPES),
+                        help="shape of the random checkpoint when --model is unset")
     parser.add_argument("--num-seqs", type=int, default=None)
     parser.add_argument("--min-input-len", type=int, default=None)
     parser.add_argument("--max-input-len", type=int, default=None)

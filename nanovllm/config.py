@@ -6,6 +6,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.attention import BACKEND_NAMES
 from nanovllm.attention.kv_quant import check_kv_cache_dtype
+from nanovllm.layers.rotary_embedding import rope_parameters
+from nanovllm.models import model_class
 from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
 
 
@@ -57,14 +59,14 @@ class Config:
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        model_class(self.hf_config)  # an unsupported architecture is refused before anything else is checked
         check_model_config(self.hf_config)
-        _check_architecture(self.hf_config)
         self.fp8 = quantization_settings(self.quantization, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        for name in ("num_attention_heads", "num_key_value_heads"):
-            heads = getattr(self.hf_config, name)
-            if heads % self.tensor_parallel_size != 0:
-                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide {name}={heads}")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
+            size = getattr(self.hf_config, name, None)
+            if size is not None and size % self.tensor_parallel_size != 0:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must divide {name}={size}")
         self.eos_token_ids = _eos_token_ids(self.model, self.hf_config)
 
     @classmethod
@@ -74,17 +76,6 @@ class Config:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known options are {sorted(known - {'model'})}")
         return cls(model, **options)
-
-
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
-
-
-def _check_architecture(hf_config: PretrainedConfig) -> None:
-    """Refuse a checkpoint of another model family rather than load it into Qwen3's code."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    if not any(name in SUPPORTED_ARCHITECTURES for name in architectures) or hf_config.model_type != "qwen3":
-        raise ValueError(f"unsupported model: architectures={architectures}, model_type="
-                         f"{hf_config.model_type!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
 
 
 def _check_positive(name: str, value: int) -> None:
@@ -117,6 +108,8 @@ def check_model_config(hf_config: PretrainedConfig) -> None:
              "vocab_size", "max_position_embeddings"]
     if getattr(hf_config, "head_dim", None) is not None:  # optional: hidden_size // num_attention_heads otherwise
         sizes.append("head_dim")
+    if getattr(hf_config, "num_experts_per_tok", None) is not None:  # mixture of experts (Qwen3-MoE)
+        sizes += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"]
     for name in sizes:
         value = getattr(hf_config, name, None)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -125,6 +118,16 @@ def check_model_config(hf_config: PretrainedConfig) -> None:
     if heads % kv_heads != 0:
         raise ValueError(f"model config num_attention_heads={heads} must be a multiple of "
                          f"num_key_value_heads={kv_heads}: each key/value head serves a whole group of query heads")
+    experts, top_k = getattr(hf_config, "num_experts", None), getattr(hf_config, "num_experts_per_tok", None)
+    if top_k is not None and top_k > experts:
+        raise ValueError(f"model config num_experts_per_tok={top_k} is impossible: there are only "
+                         f"num_experts={experts} experts")
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    if getattr(hf_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError("model config asks for sliding-window attention, which this engine does not implement "
+                         f"(use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}, "
+                         f"layer_types={sorted(set(layer_types))})")
+    rope_parameters(hf_config)  # an unsupported rope scaling type is refused by name
     eps = getattr(hf_config, "rms_norm_eps", None)
     # written so NaN fails too
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.decoder import Qwen3ForCausalLM
 from nanovllm.utils.loader import INDEX_FILE, load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import write_random_checkpoint

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.linear import RowParallelLinear
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.decoder import Qwen3ForCausalLM
 from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup

@@ -3,11 +3,14 @@ float32 (as tests/test_gpu.py scores the engine) in the eager, CUDA-graph, prefi
 and chunked-prefill modes, and the capacity the FP8 cache gains.
 
 Each mode runs the same prompts with kv_cache_dtype 'auto' (bf16) and 'fp8' on the triton backend and prints
-one table: tokens, share that are the float32 argmax, mean and worst float32 logit gap. The bar for FP8 is
-relative to bf16 in the same mode: at most 10 points fewer exact-argmax tokens and a mean gap at most 3x bf16's
-(+0.01). FP8 rows carry 3 mantissa bits against bf16's 7, so near-ties flip more often than between two bf16
-implementations (where tests/test_gpu.py allows 3 points); a broken scale or row is far outside this bar (the
-rate falls towards zero).
+one table: tokens, share that are the float32 argmax, mean and worst float32 logit gap.
+
+FP8 rows carry 3 mantissa bits against bf16's 7, and this random 28-layer network is chaotic, so how far FP8
+may fall behind bf16 is not a number to guess: the bar comes from transformers in float32 with the same
+quantisation emulated (each post-RoPE key and value row rounded to e4m3 with its own amax / 448 scale). On our
+FP8 engine's own history, the emulation's argmax is scored like ours, and ours must take the float32 argmax
+at least as often (less 3 points) with a mean gap at most 1.5x the emulation's, the test tests/test_gpu.py
+applies to bf16 against transformers' bf16. So what remains beyond the bar is a bug, not the format.
 """
 import pytest
 import torch
@@ -37,6 +40,26 @@ def hf_float32(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
 
 
+def fake_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row of the last dimension rounded to e4m3 with its own amax / 448 scale, back in x's dtype."""
+    scale = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-30)
+    return ((x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+@pytest.fixture(scope="module")
+def hf_fp8_emulated(model_path):
+    """transformers in float32 with every key and value row quantised as the FP8 cache stores it."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, fake_fp8_rows(key), fake_fp8_rows(value), *args, **kwargs)
+
+    AttentionInterface.register("fp8_kv_emulated", attention)
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                attn_implementation="fp8_kv_emulated").cuda().eval()
+
+
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
@@ -48,17 +71,27 @@ def mixed_prompts() -> list[list[int]]:
 
 
 @torch.inference_mode()
-def score(hf_float32, prompts, outputs) -> dict:
-    gaps = []
+def score(hf_float32, prompts, outputs, emulated=None) -> dict:
+    """Float32 logit gaps to the float32 argmax on our history: of our tokens, and (with `emulated`) of that
+    model's argmax at the same positions."""
+    gaps, emulated_gaps = [], []
     for prompt, output in zip(prompts, outputs):
         completion = output["token_ids"]
         ids = torch.tensor([prompt + completion[:-1]], device="cuda")
         exact = hf_float32(ids).logits[0, len(prompt) - 1:].float()
         chosen = exact.gather(1, torch.tensor(completion, device="cuda").unsqueeze(1)).squeeze(1)
         gaps.append(exact.max(1).values - chosen)
+        if emulated is not None:
+            choice = emulated(ids).logits[0, len(prompt) - 1:].argmax(1)
+            emulated_gaps.append(exact.max(1).values - exact.gather(1, choice.unsqueeze(1)).squeeze(1))
     gaps = torch.cat(gaps)
-    return dict(tokens=len(gaps), exact=(gaps == 0).float().mean().item(), mean_gap=gaps.mean().item(),
-                worst_gap=gaps.max().item())
+    result = dict(tokens=len(gaps), exact=(gaps == 0).float().mean().item(), mean_gap=gaps.mean().item(),
+                  worst_gap=gaps.max().item())
+    if emulated is not None:
+        emulated_gaps = torch.cat(emulated_gaps)
+        result.update(emulated_exact=(emulated_gaps == 0).float().mean().item(),
+                      emulated_mean_gap=emulated_gaps.mean().item())
+    return result
 
 
 def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
@@ -99,29 +132,30 @@ def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def results(model_path, hf_float32) -> dict:
+def results(model_path, hf_float32, hf_fp8_emulated) -> dict:
     table, blocks = {}, {}
     for dtype in KV_DTYPES:
         runs, blocks[dtype] = run_modes(model_path, dtype)
         for mode, (prompts, outputs) in runs.items():
-            table[mode, dtype] = score(hf_float32, prompts, outputs)
-    print("\n| mode | KV cache | tokens | float32 argmax | mean gap | worst gap |")
-    print("| --- | --- | --- | --- | --- | --- |")
+            table[mode, dtype] = score(hf_float32, prompts, outputs, hf_fp8_emulated if dtype == "fp8" else None)
+    print("\n| mode | KV cache | tokens | float32 argmax | mean gap | worst gap | emulated FP8: argmax, mean gap |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for mode in MODES:
         for dtype in KV_DTYPES:
             r = table[mode, dtype]
+            emulated = f"{r['emulated_exact']:.1%}, {r['emulated_mean_gap']:.4f}" if "emulated_exact" in r else ""
             print(f"| {mode} | {'bf16' if dtype == 'auto' else dtype} | {r['tokens']} | {r['exact']:.1%} | "
-                  f"{r['mean_gap']:.4f} | {r['worst_gap']:.3f} |")
+                  f"{r['mean_gap']:.4f} | {r['worst_gap']:.3f} | {emulated} |")
     print(f"KV blocks at gpu_memory_utilization={ENGINE['gpu_memory_utilization']}: bf16 {blocks['auto']}, "
           f"fp8 {blocks['fp8']} ({blocks['fp8'] / blocks['auto']:.2f}x)")
     return dict(table=table, blocks=blocks)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fp8_accepted_as_often_as_bf16_within_the_bar(results, mode):
-    bf16, fp8 = results["table"][mode, "auto"], results["table"][mode, "fp8"]
-    assert fp8["exact"] >= bf16["exact"] - 0.10, (bf16, fp8)
-    assert fp8["mean_gap"] <= 3 * bf16["mean_gap"] + 0.01, (bf16, fp8)
+def test_fp8_as_good_as_the_emulated_quantisation(results, mode):
+    fp8 = results["table"][mode, "fp8"]
+    assert fp8["exact"] >= fp8["emulated_exact"] - 0.03, fp8
+    assert fp8["mean_gap"] <= 1.5 * fp8["emulated_mean_gap"] + 1e-3, fp8
     assert fp8["worst_gap"] == fp8["worst_gap"]  # not NaN
 
 

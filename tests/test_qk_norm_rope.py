@@ -79,3 +79,44 @@ def test_keys_and_values_go_into_the_cache_slots():
     assert torch.equal(flat_v[written], v[[0, 2, 3, 4]])
     untouched = [i for i in range(flat_k.size(0)) if i not in written]
     assert (flat_k[untouched] == 7.0).all() and (flat_v[untouched] == 7.0).all()
+
+
+def test_rope_only_without_norm_weights_matches_rotary_embedding():
+    """Llama and Qwen2 have no q/k norms: the kernel only rotates (and writes the cache)."""
+    gen = torch.Generator().manual_seed(2)
+    head_dim, num_heads, num_kv_heads = 64, 6, 2
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(5, -1, head_dim) for x in (q, k, v))
+    rope = RotaryEmbedding(head_dim, 128, 5e5, dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                    high_freq_factor=4.0, original_max_position_embeddings=16))
+    positions = torch.tensor([0, 3, 127, 64, 9])
+    k_cache, v_cache = torch.zeros(2, 16, num_kv_heads, head_dim), torch.zeros(2, 16, num_kv_heads, head_dim)
+    slots = torch.tensor([0, 1, 2, 31, -1])
+    fused_q, fused_k = qk_norm_rope(positions, q, k, None, None, 0.0, rope.cos_sin_cache,
+                                    KVDestination(v, k_cache, v_cache, slots))
+    expected_q, expected_k = rope(positions, q, k)
+    torch.testing.assert_close(fused_q, expected_q, rtol=0, atol=1e-5)
+    torch.testing.assert_close(fused_k, expected_k, rtol=0, atol=1e-5)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[[0, 1, 2, 31]], fused_k[:4])
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim)[[0, 1, 2, 31]], v[:4])
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from nanovllm.layers.rotary_embedding import rope_parameters
+
+    config = LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, max_position_embeddings=131072,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192))
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    params = rope_parameters(config)
+    rope = RotaryEmbedding(64, 4096, params["rope_theta"], params)
+    positions = torch.arange(4096, dtype=torch.float)
+    freqs = torch.outer(positions, inv_freq)
+    torch.testing.assert_close(rope.cos_sin_cache, torch.cat((freqs.cos(), freqs.sin()), dim=-1), rtol=0, atol=0)
+    plain = RotaryEmbedding(64, 4096, params["rope_theta"])
+    assert not torch.equal(rope.cos_sin_cache, plain.cos_sin_cache)  # the scaling changed something

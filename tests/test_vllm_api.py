@@ -116,13 +116,14 @@ def test_end_token_stops_with_no_stop_reason_and_special_tokens_kept_when_asked(
 
 
 def test_other_architectures_are_refused_by_name(tiny_model, tmp_path):
-    path = tmp_path / "llama"
+    path = tmp_path / "gpt2"
     shutil.copytree(tiny_model, path)
     config = json.loads((path / "config.json").read_text())
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported model: architectures=\['LlamaForCausalLM'\], "
-                                         r"model_type='llama'; supported: \['Qwen3ForCausalLM'\]"):
+    with pytest.raises(ValueError, match=r"unsupported model: architectures=\['GPT2LMHeadModel'\], "
+                                         r"model_type='gpt2'; supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM', "
+                                         r"'Qwen3ForCausalLM'"):
         LLM(str(path))
     assert os.path.isdir(path)
 

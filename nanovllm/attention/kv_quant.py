@@ -44,7 +44,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Division (not multiplication by a reciprocal) and the clamp are what the Triton writers do too, so the
     results are bit-identical on the GPU."""
     x = x.float()
-    scale = (x.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = x.abs().amax(-1)
+    # divided by a tensor: torch on CUDA turns division by a Python scalar into multiplication by its reciprocal,
+    # which is not the correctly rounded quotient the kernels compute
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
     return (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

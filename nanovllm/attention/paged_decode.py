@@ -5,9 +5,11 @@ exactly once, for all query heads that share it (GQA), with enough independent p
 busy. Each program takes one (sequence, KV head, slice of the context) and keeps an online softmax; the last
 slice of a sequence to finish merges the slices by their log-sum-exp.
 
-An FP8 cache (attention/kv_quant.py) halves the bytes read: rows are widened to the query's dtype for the dot
-products and their scales applied to the results, a key's scale to its column of logits and a value's to its
-probability, so the math stays in bf16 x bf16 -> float32 as for a bf16 cache.
+An FP8 cache (attention/kv_quant.py) halves the bytes read. Its rows are widened to float16, not bf16: e4m3 ->
+float16 is one instruction per pair on Hopper (to bf16 it is a sequence of integer ops, which made the kernel
+slower than on a bf16 cache), every e4m3 value is exact in float16, and so is the bf16 query in the range
+attention sees. The scales are applied to the dot products' results: a key's to its column of logits, a value's
+to its probability (divided by the chunk's largest value scale, so the float16 weights stay in [0, 1]).
 """
 import torch
 import triton
@@ -55,6 +57,8 @@ def _decode_attention(
     end = tl.minimum(start + split_len, context_len)
 
     q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)
+    if KV_SCALES != 0:
+        q = q.to(tl.float16)
     if KV_SCALES == 2:
         k_layer_scale = tl.load(k_scale_ptr)
         v_layer_scale = tl.load(v_scale_ptr)
@@ -82,12 +86,14 @@ def _decode_attention(
         rescale = tl.exp2(running_max - new_max)
         denominator = denominator * rescale + tl.sum(probs, 1)
         if KV_SCALES == 1:
-            weights = probs * tl.load(v_scale_ptr + rows, mask=valid, other=0.0)[None, :]
+            v_scales = tl.load(v_scale_ptr + rows, mask=valid, other=0.0)
+            chunk_scale = tl.max(v_scales, 0)  # > 0: a chunk holds at least one valid row
+            pv = tl.dot((probs * (v_scales / chunk_scale)[None, :]).to(v.dtype), v) * chunk_scale
         elif KV_SCALES == 2:
-            weights = probs * v_layer_scale
+            pv = tl.dot(probs.to(v.dtype), v) * v_layer_scale
         else:
-            weights = probs
-        acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v)
+            pv = tl.dot(probs.to(v.dtype), v)
+        acc = acc * rescale[:, None] + pv
         running_max = new_max
 
     if slices == 1:

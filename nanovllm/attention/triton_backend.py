@@ -9,7 +9,7 @@ from nanovllm.utils.context import Context
 
 
 class TritonBackend(FlashAttnBackend):
-    """flash-attn prefill, with the KV write fused into the q/k-norm + RoPE kernel (one launch per layer fewer)
+    """flash-attn prefill, with the KV write fused into the (q/k-norm +) RoPE kernel (one launch per layer fewer)
     and our split-context decode kernel, 10-30% faster than flash-attn 2's paged decode on an H200
     (benchmarks/microbench_decode_attention.py)."""
 
@@ -22,11 +22,12 @@ class TritonBackend(FlashAttnBackend):
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rope: nn.Module, qk_norms: tuple[nn.Module, nn.Module] | None, cache: LayerKV | None,
                        slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if qk_norms is None:  # the fused kernel is Qwen3's norm + RoPE; other models take the plain path
-            return super().rope_and_store(positions, q, k, v, rope, qk_norms, cache, slot_mapping)
-        q_norm, k_norm = qk_norms
+        # one kernel: Qwen3's q/k norms (if any), RoPE and the KV write
         destination = None if cache is None else KVDestination(v, cache.k, cache.v, slot_mapping, cache.k_scale,
                                                                   cache.v_scale)
+        if qk_norms is None:  # Llama, Qwen2
+            return qk_norm_rope(positions, q, k, None, None, 0.0, rope.cos_sin_cache, destination)
+        q_norm, k_norm = qk_norms
         return qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache,
                             destination)
 

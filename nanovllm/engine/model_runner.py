@@ -14,7 +14,8 @@ from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
+from nanovllm.models import model_class
+from nanovllm.models.decoder import head_dim
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, model_dtype
 from nanovllm.utils.loader import load_model
@@ -47,7 +48,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
         try:
-            self.model = Qwen3ForCausalLM(hf_config, self.tp, self.backend)
+            self.model = model_class(hf_config)(hf_config, self.tp, self.backend)
             if config.fp8 is not None and config.fp8.checkpoint:
                 prepare_fp8(self.model, config.fp8)  # e4m3 weights and their scales, as the checkpoint has them
         finally:

@@ -7,6 +7,17 @@ from nanovllm.utils.loader import check_shape, default_weight_loader
 from nanovllm.utils.parallel import TensorParallelGroup
 
 
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole of W on every rank (a MoE router: small, and every rank needs all its outputs)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; each rank keeps its slice of y."""
 

@@ -1,3 +1,4 @@
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,12 +22,48 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves) with a precomputed float32 cos/sin table per position."""
+ROPE_TYPES = ("default", "llama3")
 
-    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+
+def rope_parameters(config) -> dict:
+    """The model config's RoPE settings as one dict: rope_theta, rope_type and the scaling fields.
+
+    transformers 5 keeps all of them in `rope_parameters`; earlier versions in `rope_theta` and `rope_scaling`
+    (whose type may be spelled `type`). A scaling type this engine does not implement is refused by name."""
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.update(getattr(config, "rope_parameters", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
+    if params["rope_type"] not in ROPE_TYPES:
+        raise ValueError(f"model config rope scaling of type {params['rope_type']!r} is not supported; "
+                         f"supported: {list(ROPE_TYPES)}")
+    return params
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: int, **_) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: wavelengths longer than the original context / low_freq_factor are divided by
+    `factor`, shorter than original / high_freq_factor kept, and those between interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = original_max_position_embeddings / low_freq_factor
+    high_freq_wavelen = original_max_position_embeddings / high_freq_factor
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) with a precomputed float32 cos/sin table per position.
+
+    `scaling` (rope_parameters' dict) with rope_type "llama3" rescales the frequencies as Llama 3.1 does."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if scaling is not None and scaling.get("rope_type") == "llama3":
+            inv_freq = llama3_inv_freq(inv_freq, **scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
@@ -36,8 +73,8 @@ class RotaryEmbedding(nn.Module):
 
 @triton.jit
 def _norm_rope_heads(x_ptr, weight_ptr, cos, sin, eps,
-                     NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, HALF: tl.constexpr):
-    """Both halves of every head of one token, normalised and rotated, in the input's dtype."""
+                     NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Both halves of every head of one token, normalised (NORM) and rotated, in the input's dtype."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < NUM_HEADS
@@ -45,13 +82,14 @@ def _norm_rope_heads(x_ptr, weight_ptr, cos, sin, eps,
     x1 = tl.load(x_ptr + offsets, mask=mask, other=0.0)
     x2 = tl.load(x_ptr + offsets + HALF, mask=mask, other=0.0)
     dtype = x1.dtype
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    # round where the unfused modules round: after normalising, after the weight, after rotating
-    w1 = tl.load(weight_ptr + dims).to(tl.float32)
-    w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    n1, n2 = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(n1 * n1, 1) + tl.sum(n2 * n2, 1)) / (2 * HALF) + eps)[:, None]
+        # round where the unfused modules round: after normalising, after the weight, after rotating
+        w1 = tl.load(weight_ptr + dims).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + dims).to(tl.float32)
+        n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     return (n1 * cos - n2 * sin).to(dtype), (n2 * cos + n1 * sin).to(dtype), offsets, mask
 
 
@@ -60,7 +98,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
                          k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                          slot_mapping_ptr, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                          BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr, STORE_KV: tl.constexpr,
-                         FP8_KV: tl.constexpr):
+                         FP8_KV: tl.constexpr, NORM: tl.constexpr):
     # q and k in separate programs: twice the programs of one per token, each half as long (small batches
     # are latency-bound)
     token = tl.program_id(0).to(tl.int64)
@@ -70,13 +108,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
     sin = tl.load(cos_sin_ptr + position * 2 * HALF + HALF + dims)
     if tl.program_id(1) == 0:
         q1, q2, q_offsets, q_mask = _norm_rope_heads(q_ptr + token * q_stride, q_weight_ptr, cos, sin, eps,
-                                                     NUM_Q_HEADS, BLOCK_Q, HALF)
+                                                     NUM_Q_HEADS, BLOCK_Q, HALF, NORM)
         q_out = q_out_ptr + token * NUM_Q_HEADS * 2 * HALF
         tl.store(q_out + q_offsets, q1, mask=q_mask)
         tl.store(q_out + q_offsets + HALF, q2, mask=q_mask)
     else:
         k1, k2, k_offsets, k_mask = _norm_rope_heads(k_ptr + token * k_stride, k_weight_ptr, cos, sin, eps,
-                                                     NUM_K_HEADS, BLOCK_K, HALF)
+                                                     NUM_K_HEADS, BLOCK_K, HALF, NORM)
         k_out = k_out_ptr + token * NUM_K_HEADS * 2 * HALF
         tl.store(k_out + k_offsets, k1, mask=k_mask)
         tl.store(k_out + k_offsets + HALF, k2, mask=k_mask)
@@ -120,16 +158,19 @@ class KVDestination:
     v_scale: torch.Tensor | None = None
 
 
-def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                 k_weight: torch.Tensor, eps: float, cos_sin_cache: torch.Tensor,
+def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, eps: float, cos_sin_cache: torch.Tensor,
                  kv_destination: KVDestination | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm of q and k followed by RoPE, in one kernel launch instead of three or four;
     with `kv_destination`, the rotated keys and the values are written into the KV cache in the same launch.
+    Without norm weights (None: Llama, Qwen2) only RoPE and the cache write.
 
     q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] may be views into one packed qkv row; the
     results are new contiguous tensors, equal to rotary(q_norm(q), k_norm(k)) computed by the modules.
     """
     num_tokens, num_q_heads, head_dim = q.shape
+    norm = q_weight is not None
+    assert norm == (k_weight is not None)
     num_k_heads = k.size(1)
     assert q.stride(1) == k.stride(1) == head_dim and q.stride(2) == k.stride(2) == 1
     assert head_dim % 2 == 0 and head_dim // 2 == triton.next_power_of_2(head_dim // 2)
@@ -144,12 +185,13 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_we
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens, 2)](
             q, k, k if dest is None else dest.v, q.stride(0), k.stride(0), 0 if dest is None else dest.v.stride(0),
-            positions, cos_sin_cache, q_weight, k_weight, q_out, k_out,
+            positions, cos_sin_cache, q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
+            q_out, k_out,
             *((k_out, k_out) if dest is None else (dest.k_cache, dest.v_cache)),
             *((dest.k_scale, dest.v_scale) if fp8 else (k_out, k_out)),
             positions if dest is None else dest.slot_mapping, eps,
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_Q=triton.next_power_of_2(num_q_heads),
             BLOCK_K=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, STORE_KV=dest is not None,
-            FP8_KV=fp8,
+            FP8_KV=fp8, NORM=norm,
         )
     return q_out, k_out

@@ -6,11 +6,12 @@ quantization_config {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": 
 `weight_scale_inv` [ceil(out/128), ceil(in/128)] (float32 or bf16) holds the factor each 128x128 block is multiplied
 by. Embeddings, norms and the modules named in modules_to_not_convert (lm_head) stay as stored.
 """
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from nanovllm.layers.fp8_linear import BLOCK, FP8_DTYPE, dequantize_blocks, quantize_per_group
+from nanovllm.layers.fp8_linear import BLOCK, quantize_per_group
 
 SUPPORTED_QUANTIZATION = ("fp8",)
 SCALE_SUFFIX = "weight_scale_inv"
@@ -89,27 +90,14 @@ def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.
     return w8[:rows, :cols].contiguous(), scale.view(row_blocks, col_blocks).contiguous()
 
 
-def to_fp8_checkpoint(weights: dict[str, torch.Tensor], block: int = BLOCK) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors in the published FP8 layout: each linear weight as e4m3 plus its weight_scale_inv."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
+def to_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
+                      block: int = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) pairs in the published FP8 layout: each linear weight as e4m3, followed by its
+    weight_scale_inv; one tensor at a time, as random_checkpoint makes them."""
+    for name, tensor in weights:
         if is_quantized_weight(name, tensor):
-            out[name], out[name.removesuffix("weight") + SCALE_SUFFIX] = quantize_blockwise(tensor, block)
+            w8, scale = quantize_blockwise(tensor, block)
+            yield name, w8
+            yield name.removesuffix("weight") + SCALE_SUFFIX, scale
         else:
-            out[name] = tensor
-    return out
-
-
-def dequantized_checkpoint(weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                           block: tuple[int, int] = (BLOCK, BLOCK)) -> dict[str, torch.Tensor]:
-    """The inverse: an FP8 checkpoint's tensors as a plain `dtype` checkpoint (what transformers compares with)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in weights.items():
-        if name.endswith(SCALE_SUFFIX):
-            continue
-        scale = weights.get(name.removesuffix("weight") + SCALE_SUFFIX)
-        if tensor.dtype == FP8_DTYPE and scale is not None:
-            out[name] = dequantize_blocks(tensor, scale, dtype, block)
-        else:
-            out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    return out
+            yield name, tensor

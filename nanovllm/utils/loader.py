@@ -29,12 +29,18 @@ def checkpoint_targets(model: nn.Module) -> dict[str, tuple[nn.Parameter, ShardI
     """Every tensor name the checkpoint must hold -> the parameter (and part of it) the tensor fills.
 
     Packed parameters expand into one name per part (qkv_proj -> q_proj, k_proj, v_proj), so a part that is missing
-    is named as the checkpoint names it. Aliases of a parameter (tied lm_head) are not listed."""
+    is named as the checkpoint names it; a parameter stacking many tensors (a MoE layer's experts) lists its own
+    parts in `checkpoint_names`, relative to its module. Aliases of a parameter (tied lm_head) are not listed."""
     parts: dict[str, list[tuple[str, ShardId]]] = {}
     for checkpoint_name, (packed_name, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
         parts.setdefault(packed_name, []).append((checkpoint_name, shard_id))
     targets: dict[str, tuple[nn.Parameter, ShardId]] = {}
     for name, param in model.named_parameters():
+        own_parts = getattr(param, "checkpoint_names", None)
+        if own_parts is not None:
+            module = name.rpartition(".")[0]
+            targets.update({f"{module}.{part}": (param, shard_id) for part, shard_id in own_parts})
+            continue
         atoms = name.split(".")
         i = next((i for i, atom in enumerate(atoms) if atom in parts), None)
         if i is None:

@@ -1,8 +1,10 @@
-"""Write Qwen3 checkpoints with random weights in real shapes, since no model hub is reachable.
+"""Write checkpoints with random weights in real shapes (Qwen3, Qwen3-MoE, Qwen2.5, Llama 3.x), since no model
+hub is reachable.
 
-The result (config.json, generation_config.json, model.safetensors, tokenizer files) loads in this package and in
+The result (config.json, generation_config.json, safetensors, tokenizer files) loads in this package and in
 transformers' AutoModelForCausalLM / AutoTokenizer. Speed does not depend on weight values, so benchmarks on these
-checkpoints measure what real ones would.
+checkpoints measure what real ones would (a MoE router of random weights spreads tokens evenly over the experts,
+as a trained, load-balanced one roughly does).
 """
 import argparse
 import json
@@ -13,40 +15,72 @@ from safetensors.torch import save_file
 
 from nanovllm.utils.fp8_checkpoint import FP8_SUFFIX, fp8_quantization_config, split_fp8_shape, to_fp8_checkpoint
 
-# the published Qwen3 shapes; "tiny" is ours, for CPU tests
+COMMON = dict(hidden_act="silu", attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype="bfloat16")
+QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+             max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+             use_sliding_window=False, sliding_window=None, max_window_layers=28)
+FAMILIES: dict[str, dict] = {
+    "qwen3": QWEN3,
+    "qwen3_moe": {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+                  "output_router_logits": False, "router_aux_loss_coef": 0.001},
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None, use_sliding_window=False,
+                  sliding_window=None, max_window_layers=28),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False, mlp_bias=False,
+                  max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, pretraining_tp=1,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192)),
+}
+LLAMA32_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+# the published shapes; "tiny" is ours, for CPU tests
 SHAPES: dict[str, dict] = {
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    "tiny": dict(family="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=1024, tie_word_embeddings=True, dtype="float32"),
-    "Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "Qwen3-0.6B": dict(family="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "Qwen3-1.7B": dict(family="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       tie_word_embeddings=True),
+    "Qwen3-4B": dict(family="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=True),
+    "Qwen3-8B": dict(family="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
+    "Qwen3-30B-A3B": dict(family="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "Qwen2.5-0.5B": dict(family="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "Qwen2.5-7B": dict(family="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Llama-3.2-1B": dict(family="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_scaling=LLAMA32_ROPE),
+    "Llama-3.1-8B": dict(family="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=False),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+SHARD_BYTES = 4 << 30  # large checkpoints are written in shards of about this size, with an index
 
 
-def qwen3_config(shape: str, **overrides) -> dict:
+def model_config(shape: str, **overrides) -> dict:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
-    num_regular = _num_regular_tokens(SHAPES[shape]["vocab_size"])
-    config = dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu", attention_bias=False,
-        attention_dropout=0.0, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        rope_scaling=None, use_sliding_window=False, sliding_window=None, max_window_layers=28,
-        initializer_range=0.02, use_cache=True, dtype="bfloat16",
-        bos_token_id=num_regular, eos_token_id=num_regular + 2, pad_token_id=num_regular,
-    )
-    config.update(SHAPES[shape])
+    dims = dict(SHAPES[shape])
+    config = dict(**FAMILIES[dims.pop("family")], **COMMON)
+    config.update(dims)
     config.update(overrides)
-    return config
+    num_regular = _num_regular_tokens(config["vocab_size"])  # the specials sit above the regular tokens
+    return {"bos_token_id": num_regular, "eos_token_id": num_regular + 2, "pad_token_id": num_regular, **config}
 
 
 def _num_regular_tokens(vocab_size: int) -> int:
@@ -54,12 +88,15 @@ def _num_regular_tokens(vocab_size: int) -> int:
     return min(vocab_size - len(SPECIAL_TOKENS), 151643)
 
 
-def random_weights(config: dict, std: float, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(config: dict, std: float, seed: int):
+    """(name, tensor) for every weight of the checkpoint, made one at a time (a 30B model does not fit twice)."""
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, config["dtype"])
-    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
+    family = config["model_type"]
 
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
@@ -67,26 +104,56 @@ def random_weights(config: dict, std: float, seed: int) -> dict[str, torch.Tenso
     def norm_weight(size: int) -> torch.Tensor:  # near 1, but not 1, so a norm loaded wrongly shows
         return (1.0 + 0.1 * torch.randn(size, generator=gen)).to(dtype)
 
-    weights = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden),
-               "model.norm.weight": norm_weight(hidden)}
+    def mlp(prefix: str, size: int):
+        yield prefix + "gate_proj.weight", normal(size, hidden)
+        yield prefix + "up_proj.weight", normal(size, hidden)
+        yield prefix + "down_proj.weight", normal(hidden, size)
+
+    yield "model.embed_tokens.weight", normal(config["vocab_size"], hidden)
+    yield "model.norm.weight", norm_weight(hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        weights.update({
-            p + "self_attn.q_proj.weight": normal(q_size, hidden),
-            p + "self_attn.k_proj.weight": normal(kv_size, hidden),
-            p + "self_attn.v_proj.weight": normal(kv_size, hidden),
-            p + "self_attn.o_proj.weight": normal(hidden, q_size),
-            p + "self_attn.q_norm.weight": norm_weight(head_dim),
-            p + "self_attn.k_norm.weight": norm_weight(head_dim),
-            p + "mlp.gate_proj.weight": normal(inter, hidden),
-            p + "mlp.up_proj.weight": normal(inter, hidden),
-            p + "mlp.down_proj.weight": normal(hidden, inter),
-            p + "input_layernorm.weight": norm_weight(hidden),
-            p + "post_attention_layernorm.weight": norm_weight(hidden),
-        })
+        for proj, size in (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)):
+            yield p + f"self_attn.{proj}.weight", normal(size, hidden)
+            if family == "qwen2":  # Qwen2's q, k and v carry a bias
+                yield p + f"self_attn.{proj}.bias", normal(size)
+        yield p + "self_attn.o_proj.weight", normal(hidden, q_size)
+        if family in ("qwen3", "qwen3_moe"):
+            yield p + "self_attn.q_norm.weight", norm_weight(head_dim)
+            yield p + "self_attn.k_norm.weight", norm_weight(head_dim)
+        sparse = family == "qwen3_moe" and i not in config["mlp_only_layers"] and \
+            (i + 1) % config["decoder_sparse_step"] == 0
+        if sparse:
+            yield p + "mlp.gate.weight", normal(config["num_experts"], hidden)
+            for e in range(config["num_experts"]):
+                yield from mlp(p + f"mlp.experts.{e}.", config["moe_intermediate_size"])
+        else:
+            yield from mlp(p + "mlp.", inter)
+        yield p + "input_layernorm.weight", norm_weight(hidden)
+        yield p + "post_attention_layernorm.weight", norm_weight(hidden)
     if not config["tie_word_embeddings"]:
-        weights["lm_head.weight"] = normal(config["vocab_size"], hidden)
-    return weights
+        yield "lm_head.weight", normal(config["vocab_size"], hidden)
+
+
+def save_sharded(weights, path: str) -> None:
+    """model.safetensors, or shards of about SHARD_BYTES and model.safetensors.index.json when it is larger."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in weights:
+        if size + tensor.nbytes > SHARD_BYTES and shards[-1]:
+            save_file(shards[-1], os.path.join(path, f"model-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+            shards[-1] = {name: None for name in shards[-1]}  # only the names are kept, for the index
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return
+    save_file(shards[-1], os.path.join(path, f"model-{len(shards):05d}.safetensors"), metadata={"format": "pt"})
+    weight_map = {name: f"model-{i + 1:05d}.safetensors" for i, shard in enumerate(shards) for name in shard}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
 def _byte_to_unicode() -> list[str]:
@@ -136,26 +203,27 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 
 def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = None, seed: int = 0,
                             fp8: bool = False, **config_overrides) -> str:
-    """Write a random-weight Qwen3 checkpoint of `shape` to `path` (created if needed) and return the path.
+    """Write a random-weight checkpoint of `shape` to `path` (created if needed) and return the path.
+    config.json is written last: its presence means the checkpoint is complete.
 
     fp8=True, or a shape name ending in -FP8 (Qwen3-8B-FP8), writes the same weights in the published FP8 layout
     (nanovllm/utils/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv."""
     os.makedirs(path, exist_ok=True)
     shape, fp8_shape = split_fp8_shape(shape)
-    config = qwen3_config(shape, **config_overrides)
+    config = model_config(shape, **config_overrides)
     # tiny models get a wider spread, so greedy tokens are separated by clear logit margins
     std = std if std is not None else (0.1 if shape == "tiny" else 0.02)
     weights = random_weights(config, std, seed)
     if fp8 or fp8_shape:
         weights = to_fp8_checkpoint(weights)
         config["quantization_config"] = fp8_quantization_config()
-    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    save_sharded(weights, path)
     eos = [config["eos_token_id"], config["bos_token_id"]]
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
     write_tokenizer(path, config["vocab_size"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     return path
 
 
@@ -163,7 +231,7 @@ def default_checkpoint(shape: str) -> str:
     """A random-weight checkpoint of `shape` in the user's cache, written on first use."""
     root = os.environ.get("NANOVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanovllm"))
     path = os.path.join(root, f"{shape}-random")
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
+    if not os.path.exists(os.path.join(path, "config.json")):
         print(f"writing a {shape}-shaped checkpoint with RANDOM weights to {path} (no model hub is used)")
         write_random_checkpoint(path, shape)
     return path
