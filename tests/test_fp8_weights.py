@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.linear import RowParallelLinear
+from nanovllm.models import model_class
 from nanovllm.models.decoder import Qwen3ForCausalLM
 from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
 from nanovllm.utils.loader import load_model
@@ -106,6 +107,25 @@ def test_tensor_parallel_2_shards_scales_with_weights(fp8_tp_model, tmp_path):
     check(hf, prompts, outputs)
 
 
+@pytest.mark.parametrize("shape", ["Llama-3.2-1B-FP8", "Qwen2.5-0.5B-FP8", "Qwen3-30B-A3B-FP8"])
+def test_other_families_in_the_fp8_layout(shape, tmp_path):
+    """The same format on the other families: Qwen2's q/k/v biases stay as stored, Qwen3-MoE's experts each carry
+    their own scales (the router stays unquantized) and load into the stacked expert weights."""
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=1024, dtype="float32", moe_intermediate_size=32,
+                 num_experts=8)
+    path = write_random_checkpoint(str(tmp_path / shape), shape, std=0.1, seed=8, **small)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    if "A3B" in shape:
+        assert tensors["model.layers.0.mlp.experts.7.down_proj.weight"].dtype == FP8
+        assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32
+    hf = hf_dequantized(path, tmp_path)
+    prompts = random_prompts([4, 150], seed=9)
+    with LLM(path, num_kvcache_blocks=8, kvcache_block_size=64) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    check(hf, prompts, outputs)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_packed_and_sharded_weights_are_the_right_slices(fp8_tp_model, rank):
     """One rank of TP=2, built in this process: every packed part and every shard dequantizes with its own
@@ -132,6 +152,32 @@ def test_packed_and_sharded_weights_are_the_right_slices(fp8_tp_model, rank):
     torch.testing.assert_close(layer.mlp.gate_up_proj.weight, gate_up, rtol=0, atol=0)
     for name, module in (("self_attn.o_proj", layer.self_attn.o_proj), ("mlp.down_proj", layer.mlp.down_proj)):
         torch.testing.assert_close(module.weight, full(name).chunk(2, 1)[rank], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_moe_experts_shard_their_scales(tmp_path, rank):
+    """One rank of TP=2 on a Qwen3-MoE FP8 checkpoint: each expert's gate/up rows and down columns, dequantized
+    with this rank's scale rows and columns, equal the expected slices of the dequantized checkpoint."""
+    moe = dict(TP_SHAPE, num_hidden_layers=1, vocab_size=1024, dtype="float32", moe_intermediate_size=256,
+               num_experts=4, num_experts_per_tok=2)
+    path = write_random_checkpoint(str(tmp_path / "moe"), "Qwen3-30B-A3B-FP8", std=0.1, seed=10, **moe)
+    hf_config = AutoConfig.from_pretrained(path)
+    model = model_class(hf_config)(hf_config, TensorParallelGroup(rank=rank, size=2))
+    settings = quantization_settings(None, hf_config)
+    prepare_fp8(model, settings)
+    load_model(model, path)
+    assert finish_fp8(model, settings, torch.float32).modes["experts dequantized"] == 1
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    experts = model.model.layers[0].mlp.experts
+
+    def full(e: int, proj: str) -> torch.Tensor:
+        prefix = f"model.layers.0.mlp.experts.{e}.{proj}."
+        return dequantize(tensors[prefix + "weight"], tensors[prefix + "weight_scale_inv"])
+
+    for e in range(4):
+        gate_up = torch.cat([full(e, "gate_proj").chunk(2, 0)[rank], full(e, "up_proj").chunk(2, 0)[rank]])
+        torch.testing.assert_close(experts.gate_up_proj[e], gate_up, rtol=0, atol=0)
+        torch.testing.assert_close(experts.down_proj[e], full(e, "down_proj").chunk(2, 1)[rank], rtol=0, atol=0)
 
 
 def emulate_fp8(linear: torch.nn.Linear) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers import fp8_linear
+from nanovllm.layers.fp8_experts import finish_experts, prepare_experts, stacked_experts
 from nanovllm.layers.fp8_linear import FP8_DTYPE, Fp8Weight
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
@@ -111,6 +112,9 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
                                               requires_grad=False)
         layer.weight_scale_inv.weight_loader = _scale_loader(layer, parts, settings.block)
         layer.fp8_parts = parts
+    for name, experts in stacked_experts(model).items():  # MoE layers' experts, stacked
+        if not _matches(name, settings.not_converted):
+            prepare_experts(name, experts, settings.block)
 
 
 def _fp8_weight_loader(loader):
@@ -177,6 +181,12 @@ def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> F
         held = [layer.weight] + ([layer.fp8.scale] if layer.fp8 is not None else [])
         held += [layer.fp8.dense] if layer.fp8 is not None and layer.fp8.dense is not None else []
         summary.fp8_bytes += sum(t.numel() * t.element_size() for t in held)
+    for experts in stacked_experts(model).values():
+        if hasattr(experts, "gate_up_proj_scale_inv"):  # loaded from an FP8 checkpoint; run as bf16 for now
+            held = finish_experts(experts, settings.block, dtype)
+            summary.layers += 1
+            summary.modes["experts dequantized"] = summary.modes.get("experts dequantized", 0) + 1
+            summary.dense_bytes, summary.fp8_bytes = summary.dense_bytes + held, summary.fp8_bytes + held
     return summary
 
 
