@@ -165,7 +165,9 @@ def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> F
     """Ready every converted layer for the forward pass, after loading; see the module docstring."""
     summary = Fp8Summary(0, 0, 0, {})
     for name, layer in fp8_layers(model, settings).items():
-        rowwise, blockwise = fp8_linear.fp8_supported(layer.weight.device)
+        # the scaled matmuls write bf16 (row-wise ones nothing else): other model dtypes take the portable paths
+        rowwise, blockwise = fp8_linear.fp8_supported(layer.weight.device) if dtype == torch.bfloat16 else \
+            (False, False)
         if settings.checkpoint:
             mode = _finish_checkpoint_layer(name, layer, settings, dtype, rowwise, blockwise)
         else:
