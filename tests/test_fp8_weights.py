@@ -4,6 +4,7 @@ emulation of per-channel weight / per-token activation quantization; malformed i
 import json
 import os
 import shutil
+from glob import glob
 
 import pytest
 import torch
@@ -37,8 +38,10 @@ def dequantize(w8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 def write_dequantized(fp8_path: str, path: str, dtype: torch.dtype = torch.float32) -> str:
     """A plain `dtype` copy of an FP8 checkpoint, which transformers loads (it cannot run FP8 weights on CPU)."""
-    shutil.copytree(fp8_path, path)
-    tensors = load_file(os.path.join(fp8_path, "model.safetensors"))
+    shutil.copytree(fp8_path, path, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    tensors = {}
+    for file in glob(os.path.join(fp8_path, "*.safetensors")):  # one file or shards: written back as one
+        tensors.update(load_file(file))
     plain = {name: (dequantize(t, tensors[name + "_scale_inv"]) if t.dtype == FP8 else t).to(dtype)
              for name, t in tensors.items() if not name.endswith("_scale_inv")}
     save_file(plain, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
