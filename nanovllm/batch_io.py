@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+from nanovllm.id_set import IdSet, digest
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf, which JSON cannot hold
@@ -63,27 +64,35 @@ class InputScan:
     """What one pass over the input learns before any work: ids only, never the requests."""
 
     total: int = 0  # non-blank lines
-    ids: set[str] = field(default_factory=set)
+    ids: IdSet = field(default_factory=IdSet)  # each custom_id once (hashed: the input may hold 10^7)
     duplicates: dict[str, list[int]] = field(default_factory=dict)  # custom_id -> every line number holding it
     id_less_lines: list[int] = field(default_factory=list)  # lines that will get an error record without an id
 
 
-def scan_input(path: str) -> InputScan:
-    scan = InputScan()
-    first_line: dict[str, int] = {}
+def _ids_by_line(path: str) -> Iterator[tuple[int, str | None]]:
     for number, raw in input_lines(path):
-        scan.total += 1
         try:
-            custom_id = custom_id_of(json.loads(raw))
+            yield number, custom_id_of(json.loads(raw))
         except ValueError:
-            custom_id = None
+            yield number, None
+
+
+def scan_input(path: str) -> InputScan:
+    """One pass for the ids (memory: 16 bytes an id), and a second one only if some id repeats, to name it."""
+    scan = InputScan()
+    for number, custom_id in _ids_by_line(path):
+        scan.total += 1
         if custom_id is None:
             scan.id_less_lines.append(number)
-        elif custom_id in first_line:
-            scan.duplicates.setdefault(custom_id, [first_line[custom_id]]).append(number)
         else:
-            first_line[custom_id] = number
-    scan.ids = set(first_line)
+            scan.ids.add(custom_id)
+    repeated = scan.ids.repeated()
+    if repeated:
+        lines: dict[str, list[int]] = {}
+        for number, custom_id in _ids_by_line(path):
+            if custom_id is not None and digest(custom_id) in repeated:
+                lines.setdefault(custom_id, []).append(number)
+        scan.duplicates = {custom_id: numbers for custom_id, numbers in lines.items() if len(numbers) > 1}
     return scan
 
 
@@ -91,7 +100,7 @@ def scan_input(path: str) -> InputScan:
 class Done:
     """What an earlier run already answered: custom_ids, and the line numbers of records that have none."""
 
-    ids: set[str] = field(default_factory=set)
+    ids: IdSet = field(default_factory=IdSet)
     lines: set[int] = field(default_factory=set)
 
     def has(self, custom_id: str | None, line: int) -> bool:

@@ -238,7 +238,7 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
         done = batch_io.repair_output(args.output_file)
     except (OSError, ValueError) as error:
         return _fail(f"cannot resume from the output: {error}")
-    stats = Stats(skipped=len(scan.ids & done.ids) + sum(line in done.lines for line in scan.id_less_lines))
+    stats = Stats(skipped=scan.ids.count_in(done.ids) + sum(line in done.lines for line in scan.id_less_lines))
     todo = scan.total - stats.skipped
     del scan  # only `done` is needed from here on
     if todo:  # nothing left: no model to load
