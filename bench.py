@@ -4,6 +4,8 @@
     python bench.py --runs 4             # first run is "cold", the median of the others "warm"
     python bench.py --workload long-context --kv-cache-dtype fp8   # 64 requests of 6k-14k prompt tokens
     python bench.py --shape Qwen3-30B-A3B  # any shape of nanovllm/utils/random_checkpoint.py (Llama, Qwen2.5, MoE)
+    python bench.py --shape Qwen3-8B --quantization fp8            # FP8 weights quantized at load
+    python bench.py --shape Qwen3-8B-FP8                           # a checkpoint in the published FP8 layout
 
 Every run after the first (the profiled one included) gets new random token ids of the same prompt lengths and
 the same output lengths: the same work, and nothing for the prefix cache to find from an earlier run.
@@ -17,6 +19,7 @@ from random import Random, randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.fp8_checkpoint import FP8_SUFFIX
 from nanovllm.utils.random_checkpoint import SHAPES, default_checkpoint
 
 # prompt lengths uniform in [min_input_len, max_input_len], output lengths likewise
@@ -26,14 +29,18 @@ WORKLOADS: dict[str, dict] = {
     # decode over long contexts, where reading the KV cache is most of the run (issue 20)
     "long-context": dict(num_seqs=64, min_input_len=6000, max_input_len=14000, min_output_len=200,
                          max_output_len=800, max_model_len=16384),
+    # prefill is most of the run, where FP8 matmuls gain most (issue 23)
+    "prefill-heavy": dict(num_seqs=512, min_input_len=1024, max_input_len=3072, min_output_len=16,
+                          max_output_len=64, max_model_len=4096),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: random weights of --shape)")
-    parser.add_argument("--shape", default="Qwen3-0.6B", choices=sorted(SHAPES),
-                        help="shape of the random checkpoint when --model is unset")
+    parser.add_argument("--shape", default="Qwen3-0.6B",
+                        choices=sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES),
+                        help="shape of the random checkpoint when --model is unset (-FP8: the published FP8 layout)")
     parser.add_argument("--num-seqs", type=int, default=None)
     parser.add_argument("--min-input-len", type=int, default=None)
     parser.add_argument("--max-input-len", type=int, default=None)
@@ -45,6 +52,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, choices=["triton", "flash_attn", "torch"],
                         help="default: the fastest for the device")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="FP8 linear weights quantized at load (FP8 checkpoints, e.g. --shape Qwen3-8B-FP8, "
+                             "are FP8 without it)")
     parser.add_argument("--workload", default="default", choices=sorted(WORKLOADS),
                         help="preset prompt/output lengths; the explicit length flags override it")
     parser.add_argument("--runs", type=int, default=1)
@@ -58,7 +68,7 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     startup = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
 
@@ -74,7 +84,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"device: {device}, date: {date.today()}, model: {path}, startup: {startup:.1f} s, "
           f"KV blocks: {llm.model_runner.num_kvcache_blocks} ({args.kv_cache_dtype}), "
-          f"attention: {llm.model_runner.backend.name}, workload: {args.workload}")
+          f"attention: {llm.model_runner.backend.name}, workload: {args.workload}, "
+          f"weights: {'fp8' if llm.model_runner.config.fp8 else 'model dtype'}")
     if args.runs > 1 or args.profile:
         print("runs after the first use fresh random token ids (same prompt and output lengths), "
               "so they get no prefix-cache hits from earlier runs")

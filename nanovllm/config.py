@@ -8,6 +8,7 @@ from nanovllm.attention import BACKEND_NAMES
 from nanovllm.attention.kv_quant import check_kv_cache_dtype
 from nanovllm.layers.rotary_embedding import rope_parameters
 from nanovllm.models import model_class
+from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
 
 # architectures whose GPU acceptance test fails on the flash_attn backend (not the default; see docs/PERFORMANCE.md)
 FLASH_ATTN_FAILS = ("Qwen2ForCausalLM",)
@@ -30,7 +31,9 @@ class Config:
     async_scheduling: bool = True  # launch step n+1 before reading step n's tokens back
     max_logprobs: int = 20  # the most logprobs a request may ask for, as vLLM's
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see attention/kv_quant.py
+    quantization: str | None = None  # "fp8": FP8 linear weights from a bf16 checkpoint; see docs/fp8_weights.md
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    fp8: Fp8Settings | None = field(init=False, default=None)  # from `quantization` and the checkpoint's config
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -64,6 +67,7 @@ class Config:
             raise ValueError(f"attention_backend='flash_attn' gives wrong tokens for {family.__name__} in the GPU "
                              f"acceptance test (tests/test_gpu.py); use attention_backend='triton' (the default)")
         check_model_config(self.hf_config)
+        self.fp8 = quantization_settings(self.quantization, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size"):
             size = getattr(self.hf_config, name, None)

@@ -31,7 +31,7 @@ from nanovllm.sampling_params import SamplingParams
 ENGINE_FLAGS: dict[str, type] = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
                                  "gpu_memory_utilization": float, "tensor_parallel_size": int,
                                  "kvcache_block_size": int, "num_kvcache_blocks": int, "attention_backend": str,
-                                 "max_logprobs": int, "kv_cache_dtype": str}
+                                 "max_logprobs": int, "kv_cache_dtype": str, "quantization": str}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from nanovllm.engine.model_inputs import InputBuilder
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
@@ -48,12 +49,19 @@ class ModelRunner:
         torch.set_default_device(self.device)
         try:
             self.model = model_class(hf_config)(hf_config, self.tp, self.backend)
+            if config.fp8 is not None and config.fp8.checkpoint:
+                prepare_fp8(self.model, config.fp8)  # e4m3 weights and their scales, as the checkpoint has them
         finally:
             # restored before anything is compiled: torch.compile guards on the default dtype, so kernels
             # compiled under another one than generate() runs with would all be recompiled in the first run
             torch.set_default_device("cpu")
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
+        if config.fp8 is not None:
+            # the KV cache is sized from the memory left after this, so it gets whatever FP8 saves
+            summary = finish_fp8(self.model, config.fp8, self.dtype)
+            if rank == 0:
+                logger.info("FP8 weights: %s", summary.describe())
         self.sampler = Sampler(config.eos_token_ids, self.device)
         self.inputs = InputBuilder(self.block_size, -(-config.max_model_len // self.block_size), self.device)
         self.kv_layout = KVCacheLayout(hf_config.num_hidden_layers, self.block_size,

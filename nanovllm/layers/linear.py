@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.fp8_linear import Fp8Weight, fp8_linear
 from nanovllm.utils.loader import check_shape, default_weight_loader
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -19,6 +20,8 @@ class ReplicatedLinear(nn.Module):
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; each rank keeps its slice of y."""
+
+    fp8: Fp8Weight | None = None  # set by layers/fp8_model.py when the weight is FP8
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()
@@ -38,6 +41,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return fp8_linear(x, self.fp8, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -76,6 +81,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
+    fp8: Fp8Weight | None = None  # set by layers/fp8_model.py when the weight is FP8
+
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()
         self.tp = tp
@@ -95,5 +102,6 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, on rank 0, so the all-reduce counts it once
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        bias = self.bias if self.tp_rank == 0 else None
+        y = fp8_linear(x, self.fp8, bias) if self.fp8 is not None else F.linear(x, self.weight, bias)
         return self.tp.all_reduce(y)

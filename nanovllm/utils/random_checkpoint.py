@@ -13,6 +13,8 @@ import os
 import torch
 from safetensors.torch import save_file
 
+from nanovllm.utils.fp8_checkpoint import FP8_SUFFIX, fp8_quantization_config, split_fp8_shape, to_fp8_checkpoint
+
 COMMON = dict(hidden_act="silu", attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype="bfloat16")
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
              max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
@@ -200,14 +202,22 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 
 
 def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = None, seed: int = 0,
-                            **config_overrides) -> str:
+                            fp8: bool = False, **config_overrides) -> str:
     """Write a random-weight checkpoint of `shape` to `path` (created if needed) and return the path.
-    config.json is written last: its presence means the checkpoint is complete."""
+    config.json is written last: its presence means the checkpoint is complete.
+
+    fp8=True, or a shape name ending in -FP8 (Qwen3-8B-FP8), writes the same weights in the published FP8 layout
+    (nanovllm/utils/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv."""
     os.makedirs(path, exist_ok=True)
+    shape, fp8_shape = split_fp8_shape(shape)
     config = model_config(shape, **config_overrides)
     # tiny models get a wider spread, so greedy tokens are separated by clear logit margins
     std = std if std is not None else (0.1 if shape == "tiny" else 0.02)
-    save_sharded(random_weights(config, std, seed), path)
+    weights = random_weights(config, std, seed)
+    if fp8 or fp8_shape:
+        weights = to_fp8_checkpoint(weights)
+        config["quantization_config"] = fp8_quantization_config()
+    save_sharded(weights, path)
     eos = [config["eos_token_id"], config["bos_token_id"]]
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
@@ -230,10 +240,12 @@ def default_checkpoint(shape: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path")
-    parser.add_argument("--shape", default="Qwen3-0.6B", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="Qwen3-0.6B",
+                        choices=sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fp8", action="store_true", help="the published FP8 layout (as a -FP8 shape name does)")
     args = parser.parse_args()
-    write_random_checkpoint(args.path, args.shape, seed=args.seed)
+    write_random_checkpoint(args.path, args.shape, seed=args.seed, fp8=args.fp8)
     print(f"wrote a random-weight {args.shape} checkpoint to {args.path}")
 
 

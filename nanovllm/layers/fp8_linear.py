@@ -1,0 +1,173 @@
+"""FP8 (e4m3) linear weights: the quantization arithmetic and the matmul that uses it.
+
+Two weight layouts exist (docs/fp8_weights.md):
+- "channel": one float32 scale per output row, computed at load from a bf16 checkpoint (quantization="fp8");
+  activations get one scale per token. On the GPU this is torch._scaled_mm's row-wise mode.
+- "block": the published FP8 checkpoints' layout, one scale per 128x128 weight block; activations get one scale
+  per token and 128 input columns. On the GPU this is torch.nn.functional.scaled_mm's BlockWise1x128 x
+  BlockWise128x128 mode (Hopper). Where every block of a row of blocks has the same scale the layout is folded to
+  "channel" at load, which is exact.
+Activation scales are dynamic (amax / 448 of what is multiplied), as the checkpoints' activation_scheme says.
+
+On CPU, and wherever the GPU lacks FP8 matmuls, "channel" weights run a plain emulation (quantize, dequantize,
+multiply in float32) and "block" weights are dequantized at load instead (nanovllm/layers/fp8_model.py).
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers import fused
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+BLOCK = 128  # the published checkpoints' weight_block_size, and the activation group of the block-wise matmul
+# Rows (tokens) below which a layer multiplies a bf16 copy of its weight instead: 0 keeps FP8 for every batch.
+# A copy costs the memory FP8 saves, so raise this only where the device measurement
+# (benchmarks/microbench_fp8_gemm.py) shows FP8 losing at small batches.
+BF16_BELOW_ROWS = 0
+# Hopper's fast accumulation (row-wise matmuls only) is less exact over long reductions; the microbenchmark shows
+# what it would gain.
+FAST_ACCUM = False
+
+
+def _scaling_type(*names: str):
+    # torch.nn.functional.ScalingType's members were renamed between releases (Blockwise_1x128 -> BlockWise1x128)
+    kind = getattr(F, "ScalingType", None)
+    return next((getattr(kind, name) for name in names if hasattr(kind, name)), None)
+
+
+ACT_1x128 = _scaling_type("BlockWise1x128", "Blockwise_1x128")
+WEIGHT_128x128 = _scaling_type("BlockWise128x128", "Blockwise_128x128")
+
+
+@dataclass(slots=True)
+class Fp8Weight:
+    """A linear layer's FP8 weight, ready to multiply: weight [out, in] e4m3 and its scales.
+
+    channel: scale [out] float32. block: scale [ceil(out/128), ceil(in/128)] float32, the weight being
+    weight * scale block by block (the checkpoints' weight_scale_inv). On the GPU `kernel_scale` holds the scale in
+    the layout the scaled matmul wants; `dense` is the bf16 copy used below BF16_BELOW_ROWS, if any."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    mode: str  # "channel" or "block"
+    kernel_scale: torch.Tensor | None = None  # None: no FP8 matmul on this device, emulate
+    dense: torch.Tensor | None = None
+
+
+def fp8_supported(device: torch.device) -> tuple[bool, bool]:
+    """(row-wise, block-wise) scaled matmuls on this device: FP8 tensor cores from Ada (8.9); block scales: Hopper."""
+    if device.type != "cuda":
+        return False, False
+    capability = torch.cuda.get_device_capability(device)
+    return capability >= (8, 9), capability[0] == 9 and hasattr(F, "scaled_mm") and WEIGHT_128x128 is not None
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # the clamp keeps values that round past 448 finite: e4m3fn has no infinity, a cast would give NaN
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (e4m3 rows, float32 scale [rows, 1]) with x ~ rows * scale; an all-zero row gets scale 1."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return _to_fp8(x, scale), scale
+
+
+def quantize_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] -> (e4m3, float32 scale [rows, cols / group]): one scale per `group` columns of a row."""
+    rows, cols = x.shape
+    grouped = x.float().view(rows, cols // group, group)
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return _to_fp8(grouped, scale).view(rows, cols), scale.squeeze(-1)
+
+
+# compiled into one kernel each on CUDA for the forward pass; the plain versions serve loading and checkpoints,
+# where compiling for every weight shape would cost more than it saves
+_quantize_rows_fused = fused(quantize_per_row)
+_quantize_groups_fused = fused(quantize_per_group)
+
+
+def expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """Block scales [ceil(out/bo), ceil(in/bi)] -> one scale per element of an [out, in] weight (edge blocks cut)."""
+    rows, cols = shape
+    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                      block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """A block-scaled e4m3 weight as `dtype`: weight * scale_inv of its block, multiplied in float32."""
+    return (weight.float() * expand_blocks(scale.float(), tuple(weight.shape), block)).to(dtype)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] -> (e4m3 weight, float32 scale [out]): one scale per output row (quantization='fp8')."""
+    w8, scale = quantize_per_row(weight)
+    return w8, scale.squeeze(1)
+
+
+def fold_to_channel(scale: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Per-row scales [rows] equal to block scales, where every block of each row of blocks shares one scale.
+
+    Only then is the row-wise matmul exact for a block-scaled weight; otherwise None."""
+    if not bool((scale == scale[:, :1]).all()):
+        return None
+    return scale[:, 0].repeat_interleave(BLOCK)[:rows].float().contiguous()
+
+
+def emulate_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """What the row-wise FP8 matmul computes, in plain torch: both sides quantized, dequantized, float32 product."""
+    x8, x_scale = quantize_per_row(x)
+    return (x8.float() * x_scale) @ (weight.weight.float() * weight.scale.unsqueeze(1)).t()
+
+
+def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    x8, x_scale = _quantize_rows_fused(x)
+    return torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
+                            use_fast_accum=FAST_ACCUM)
+
+
+def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    rows = x.size(0)
+    if rows % 4:  # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4
+        x = F.pad(x, (0, 0, 0, -rows % 4))  # zero rows: scale 1, outputs dropped below
+    x8, x_scale = _quantize_groups_fused(x)
+    # the kernel reads activation scales column-major: [rows, groups] with stride [1, rows]; built explicitly,
+    # since .t().contiguous().t() keeps a row-major stride when there is one row
+    x_scale = torch.empty_strided(x_scale.shape, (1, x_scale.size(0)), dtype=torch.float32,
+                                  device=x_scale.device).copy_(x_scale)
+    # no fast accumulation: the block-scaled kernels apply the scales per 128-deep K step themselves
+    y = F.scaled_mm(x8, weight.weight.t(), x_scale, ACT_1x128, weight.kernel_scale, WEIGHT_128x128,
+                    output_dtype=x.dtype)
+    return y[:rows]
+
+
+def block_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales [out/128, in/128] in the layout BlockWise128x128 reads: [round_up(in/128, 4), out/128] with
+    stride [1, round_up(in/128, 4)], i.e. padded rows of the row-major scale, seen transposed."""
+    out_blocks, in_blocks = scale.shape
+    padded = torch.ones(out_blocks, -(-in_blocks // 4) * 4, dtype=torch.float32, device=scale.device)
+    padded[:, :in_blocks] = scale
+    return padded.t()
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight; x is [..., in] in the model dtype and y comes back in it."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    if weight.dense is not None and x.size(0) < BF16_BELOW_ROWS:
+        y = F.linear(x, weight.dense)
+    elif weight.kernel_scale is None:
+        assert weight.mode == "channel", "block-scaled weights are dequantized at load where no kernel runs them"
+        y = emulate_channel(x, weight).to(x.dtype)
+    elif weight.mode == "channel":
+        y = _scaled_mm_channel(x, weight)
+    else:
+        y = _scaled_mm_block(x, weight)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], y.size(-1))
