@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="weight copies rotated per layer (past L2)")
     args = parser.parse_args()
     device = torch.device("cuda")
+    fp8.SCALED_MM_ON_GPU = True  # the kernels themselves, whether or not the engine uses them yet
     rowwise, blockwise = fp8.fp8_supported(device)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, shape {args.shape}, "
           f"row-wise FP8: {rowwise}, block-wise FP8: {blockwise}")

@@ -59,7 +59,8 @@ def emulate(x: torch.Tensor, weight: torch.Tensor, group: int | None) -> torch.T
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300, 2048])
 @pytest.mark.parametrize("mode", ["channel", "block"])
-def test_fp8_matmul_equals_the_emulation(rows, mode):
+def test_fp8_matmul_equals_the_emulation(rows, mode, monkeypatch):
+    monkeypatch.setattr(fp8, "SCALED_MM_ON_GPU", True)  # the kernels themselves, whether or not the engine uses them
     rowwise, blockwise = fp8.fp8_supported(torch.device("cuda"))
     assert rowwise and (blockwise or mode == "channel"), f"{torch.cuda.get_device_name()} has no {mode} FP8 matmul"
     g = torch.Generator("cuda").manual_seed(rows)
