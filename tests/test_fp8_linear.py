@@ -37,8 +37,9 @@ def test_rowwise_scaled_mm_call_matches_the_emulation():
     weight, x = torch.randn(384, 512, generator=g), torch.randn(5, 512, generator=g)
     w8, scale = fp8.quantize_per_channel(weight)
     channel = fp8.Fp8Weight(w8, scale, "channel", scale.view(1, -1))
+    # float32 sums of 512 products in two orders (the thread count changes torch's): 1e-4, not bit equality
     torch.testing.assert_close(fp8._scaled_mm_channel(x, channel), fp8.emulate_channel(x, channel),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 128, 300])
