@@ -9,7 +9,9 @@ engine already loaded) and, with the same request shapes but fresh token ids, th
 generate calls, alternating, after one warmup round of each.
 
 memory: run-batch over N one-token requests on the model given (default: the tiny test shape, so it is quick on
-a CPU); prints the process's peak RSS. Run it for 10k and 100k requests and compare.
+a CPU); prints the process's peak RSS. Run it for 10k and 100k requests and compare. With --instant the requests
+go to one replica process whose engine answers at once (benchmarks/data_parallel.py's InstantEngine), so the
+figure is the runner's own memory (reading, ids, writing) without the engine's tensors in the same heap.
 """
 import argparse
 import json
@@ -98,8 +100,12 @@ def memory(args: argparse.Namespace) -> None:
                 body = {"prompt": [rng.randint(100, 1000) for _ in range(rng.randint(20, 200))], "max_tokens": 1}
                 f.write(json.dumps({"custom_id": f"request-{i:08d}", "url": "/v1/completions", "body": body}) + "\n")
         start = time.perf_counter()
+        options = {}
+        if args.instant:
+            from data_parallel import InstantEngine  # benchmarks/data_parallel.py, beside this file
+            options["engine_class"] = InstantEngine
         code = run(build_parser().parse_args(["run-batch", "-i", source, "-o", output, "--model", model,
-                                              "--max-model-len", "512"]))
+                                              "--max-model-len", "512"]), **options)
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"{args.requests} requests: exit {code}, {time.perf_counter() - start:.0f} s, peak RSS {peak_mib:,.0f} "
               f"MiB, input {os.path.getsize(source) / 2**20:,.0f} MiB", flush=True)
@@ -112,6 +118,7 @@ def main() -> None:
     parser.add_argument("--shape", default=None, help="default: Qwen3-0.6B for throughput, tiny for memory")
     parser.add_argument("--requests", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--instant", action="store_true", help="memory: an engine that answers at once")
     args = parser.parse_args()
     args.shape = args.shape or ("Qwen3-0.6B" if args.mode == "throughput" else "tiny")
     throughput(args) if args.mode == "throughput" else memory(args)
