@@ -1,7 +1,7 @@
 """The paged decode kernel over a bf16 cache, an FP8 cache with a scale per row (the engine's), and an FP8 cache
 with one static scale per layer (vLLM's default), on the GPU: time and effective bandwidth of the bytes read.
 
-    python benchmarks/microbench_fp8_decode.py                       # the long-context shape of issue 20
+    python benchmarks/microbench_fp8_decode.py                       # the long-context shape (64 x 6k-14.8k)
     python benchmarks/microbench_fp8_decode.py --batch 256 --min-context 100 --max-context 2048   # bench.py's
 
 Also prints each FP8 variant's largest difference from the bf16 output (scales chosen from the data, so the
