@@ -121,10 +121,10 @@ class LLMEngine:
 
     def make_samples(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
         """The params.n requests of one prompt; the others fork the first one's prompt KV (see Scheduler)."""
-        samples = [self.make_sequence(prompt, sample) for sample in samples_of(params)]
-        for seq in samples[1:]:
-            seq.prompt_owner = samples[0]
-        return samples
+        first, *others = [self.make_sequence(prompt, sample) for sample in samples_of(params)]
+        for seq in others:
+            seq.prompt_owner = first
+        return [first, *others]
 
     # --- steps -------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
@@ -140,8 +140,7 @@ class LLMEngine:
                 raise RuntimeError(f"nothing can be scheduled: {reason}")  # never spin
             self._complete(self.in_flight)
             return seqs, 0
-        step = Step.of(seqs, is_prefill)
-        step.block_copies = self.scheduler.block_manager.take_copies()
+        step = Step.of(seqs, is_prefill, self.scheduler.block_manager.take_copies())
         previous, self.in_flight = self.in_flight, None
         if self.workers is None:
             self.model_runner.launch(step, previous)
@@ -191,13 +190,10 @@ class LLMEngine:
         self._check_open()
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
-        # n samples of one prompt are n requests sharing its KV; identical prompts share their full blocks
-        requests = [(i, text, self.make_samples(prompt, p))
-                    for i, ((text, prompt), p) in enumerate(zip(parsed, params))]
-        outputs: list[RequestOutput | None] = [None] * len(requests)
-        for index, output in self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm):
-            outputs[index] = output
-        return outputs
+        numbered = enumerate(zip(parsed, params))
+        requests = [(i, text, self.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
+        outputs = dict(self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm))
+        return [outputs[i] for i in range(len(requests))]
 
     def iter_generate(self, prompts: Iterable[Prompt],
                       sampling_params: SamplingParams | Iterable[SamplingParams] | None = None, *,

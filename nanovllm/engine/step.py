@@ -27,9 +27,9 @@ class Step:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, seqs: list[Sequence], is_prefill: bool) -> "Step":
+    def of(cls, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] | None = None) -> "Step":
         spans = [(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens) for seq in seqs]
-        return cls(seqs, is_prefill, spans)
+        return cls(seqs, is_prefill, spans, block_copies=block_copies or [])
 
     @property
     def num_tokens(self) -> int:

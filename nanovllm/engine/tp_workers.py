@@ -38,9 +38,7 @@ def _worker_main(config: Config, rank: int, store_path: str, shm_name: str, even
                 runner.exit()
                 break
             seqs, is_prefill, block_copies = args  # "launch"
-            step = Step.of(seqs, is_prefill)
-            step.block_copies = block_copies
-            previous = runner.launch(step, previous)
+            previous = runner.launch(Step.of(seqs, is_prefill, block_copies), previous)
     finally:
         channel.close()
 
