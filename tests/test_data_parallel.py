@@ -84,8 +84,10 @@ def test_python_entry_and_a_killed_process_replica(tiny_model):
 
 def test_uneven_work_keeps_both_replicas_busy(tiny_model):
     # two long requests, both first fed to replica 0 (the feed alternates), fill its two slots; a static split
-    # would leave replica 1 idle once its half of the short ones is done
-    long = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True)
+    # would leave replica 1 idle once its half of the short ones is done. The long ones take more decode steps
+    # (400) than replica 1 needs for all 80 short ones (~280), so the split stays lopsided however the 2 cores
+    # share out (at 160 steps a loaded CI machine once answered [28, 54])
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     params = [long if i in (0, 2) else GREEDY for i in range(82)]
     answered_at: list[tuple[int, float]] = []  # (replica, when)
     with DataParallel(tiny_model, 2, "mp", **OPTIONS) as dp:
