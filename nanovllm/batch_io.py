@@ -50,8 +50,8 @@ def parse_line(raw: bytes) -> dict:
     """The request object of one line; LineError where it is not JSON, not an object, or has no custom_id."""
     try:
         request = json.loads(raw)
-    except ValueError as error:  # JSONDecodeError, or UnicodeDecodeError
-        raise LineError("invalid_json", f"not valid JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError, or nesting too deep
+        raise LineError("invalid_json", f"not valid JSON: {type(error).__name__}: {error}") from None
     if not isinstance(request, dict):
         raise LineError("invalid_json", f"a request line must be a JSON object, not {type(request).__name__}")
     if custom_id_of(request) is None:
@@ -73,7 +73,7 @@ def _ids_by_line(path: str) -> Iterator[tuple[int, str | None]]:
     for number, raw in input_lines(path):
         try:
             yield number, custom_id_of(json.loads(raw))
-        except ValueError:
+        except (ValueError, RecursionError):
             yield number, None
 
 
@@ -152,7 +152,11 @@ class OutputWriter:
 
     def write(self, record: dict) -> None:
         # allow_nan=False: a NaN or infinity would make a line that strict JSON readers reject
-        data = memoryview((json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8"))
+        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+        try:
+            data = memoryview(line.encode("utf-8"))
+        except UnicodeEncodeError:  # a lone surrogate from the input (JSON's "\\ud800") echoed in an id or message
+            data = memoryview((json.dumps(record, allow_nan=False) + "\n").encode("ascii"))  # JSON escapes it
         while data:  # a regular file takes it all at once; the loop only guards against a short write
             data = data[self._file.write(data):]
         if time.monotonic() - self._last_sync >= self._fsync_every:

@@ -74,7 +74,12 @@ def prompt_of(body: dict, url: str, llm: LLM) -> tuple[str | None, list[int]]:
             raise
         except Exception as error:  # the template is user code: anything it raises is this line's error
             raise LineError("invalid_request", f"chat template failed: {type(error).__name__}: {error}") from None
-    return text, llm.tokenizer.encode(text)
+    try:
+        # a chat template writes its own special tokens (Llama 3's BOS): the tokenizer must not add them again
+        return text, llm.tokenizer.encode(text, add_special_tokens=url == COMPLETIONS)
+    except Exception as error:  # e.g. an unpaired surrogate (JSON's "\ud800") that no tokenizer can encode
+        raise LineError("invalid_request", f"the prompt cannot be tokenized: {type(error).__name__}: {error}") \
+            from None
 
 
 def _message(message: dict) -> dict:

@@ -43,15 +43,19 @@ class Config:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
-        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+        if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kvcache_block_size <= 0 or self.kvcache_block_size % 16 != 0:
-            raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size}")
-        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
-            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or positive, "
-                             f"got {self.num_kvcache_blocks}")
+        utilization = self.gpu_memory_utilization
+        if not isinstance(utilization, (int, float)) or isinstance(utilization, bool) or not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
+        if not _is_int(self.kvcache_block_size) or self.kvcache_block_size <= 0 or self.kvcache_block_size % 16:
+            raise ValueError(f"kvcache_block_size must be a positive multiple of 16, got {self.kvcache_block_size!r}")
+        if not _is_int(self.num_kvcache_blocks) or self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or a positive integer, "
+                             f"got {self.num_kvcache_blocks!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(f"attention_backend={self.attention_backend!r} is unknown; choose one of "
                              f"{BACKEND_NAMES} or None (the fastest for the device)")
@@ -59,8 +63,6 @@ class Config:
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' (or None) "
                              f"on the GPU: flash-attn's paged decode cannot read an FP8 cache")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         family = model_class(self.hf_config)  # an unsupported architecture is refused before anything else
         if self.attention_backend == "flash_attn" and family.__name__ in FLASH_ATTN_FAILS:
@@ -84,8 +86,12 @@ class Config:
         return cls(model, **options)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a size
+
+
 def _check_positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value <= 0:
+    if not _is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

@@ -146,6 +146,35 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
     assert records(out) == found
 
 
+
+def test_lines_no_parser_or_tokenizer_can_take_get_records_and_the_rest_run(tiny_model, tmp_path):
+    ok = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+    chat = "/v1/chat/completions"
+    lines = [
+        request("good-1", ok),
+        '{"custom_id": "lone-surrogate-prompt", "url": "/v1/completions", "body": {"prompt": "a\\ud800b"}}',
+        '{"custom_id": "lone-surrogate-chat", "url": "/v1/chat/completions", "body": {"messages": '
+        '[{"role": "user", "content": "x\\udc00"}]}}',
+        '{"custom_id": "id-\\ud800", "url": "/v1/completions", "body": {"prompt": [4, 5], "max_tokens": 2}}',
+        "[" * 100_000,  # nested deeper than the JSON parser recurses
+        request("good-2", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, url=chat),
+    ]
+    inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    found = records(out)  # every line valid JSON, so valid UTF-8 too (records() reads it strictly)
+    assert len(found) == len(lines)
+    results = by_id(out)
+    for cid in ("lone-surrogate-prompt", "lone-surrogate-chat"):
+        assert results[cid]["error"]["code"] == "invalid_request"
+        assert "cannot be tokenized" in results[cid]["error"]["message"]
+    assert results["id-\ud800"]["error"] is None  # kept: the output escapes it, as JSON allows
+    assert results["id-\ud800"]["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert b'"id-\\ud800"' in out.read_bytes()
+    assert [r["error"]["code"] for r in found if r["custom_id"] is None] == ["invalid_json"]
+    assert results["good-1"]["error"] is None and results["good-2"]["error"] is None
+    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert records(out) == found  # resume: nothing answered twice
+
 def test_duplicate_custom_ids_stop_the_run_before_any_output(tiny_model, tmp_path, capsys):
     lines = [request("a", {"prompt": "x"}), request("b", {"prompt": "y"}), request("a", {"prompt": "z"}),
              request("b", {"prompt": "w"}), request("c", {"prompt": "v"}), request("a", {"prompt": "u"})]

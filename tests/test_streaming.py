@@ -1,9 +1,12 @@
 """The iterator form of generate, and chat."""
+import json
+import shutil
+
 import pytest
 from hf_reference import assert_no_leaks, hf_greedy
 from test_e2e_transformers import random_prompts
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, run_batch
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -78,3 +81,49 @@ def test_fewer_params_than_prompts_is_an_error_not_a_truncation(llm):
         list(llm.iter_generate(iter(prompts), iter([GREEDY, GREEDY])))
     assert_no_leaks(llm)
     assert len(list(llm.iter_generate(iter(prompts), iter([GREEDY] * 3)))) == 3
+
+
+def test_a_call_while_this_thread_holds_an_open_iterator_is_an_error_not_a_hang(llm):
+    prompts = random_prompts([12, 14, 16], seed=64)
+    iterator = llm.iter_generate(prompts, GREEDY, window=1)
+    first = next(iterator)
+    with pytest.raises(RuntimeError, match="still open in this thread"):
+        llm.generate(random_prompts([10], seed=65), GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="still open in this thread"):
+        next(llm.iter_generate(random_prompts([10], seed=65), GREEDY))
+    assert sorted([first[0], *(index for index, _ in iterator)]) == [0, 1, 2]  # the open one is unharmed
+    assert_no_leaks(llm)
+    assert len(llm.generate(random_prompts([10], seed=65), GREEDY, use_tqdm=False)) == 1
+
+
+def test_chat_prompts_get_no_second_bos_from_the_tokenizer(tiny_model, tmp_path):
+    """Llama 3's tokenizer adds a BOS and its chat template writes one: the prompt must hold one, as transformers'
+    apply_chat_template(tokenize=True) gives."""
+    path = tmp_path / "bos-model"
+    shutil.copytree(tiny_model, path)
+    tokenizer_json = json.loads((path / "tokenizer.json").read_text())
+    bos = "<|endoftext|>"
+    bos_id = next(t["id"] for t in tokenizer_json["added_tokens"] if t["content"] == bos)
+    tokenizer_json["post_processor"] = {
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                                                 {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": bos}))
+    template = path / "chat_template.jinja"
+    template.write_text("{{ bos_token }}" + template.read_text())
+    conversation = [{"role": "user", "content": "hello there"}]
+    with LLM(str(path), num_kvcache_blocks=8) as engine:
+        expected = engine.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)
+        expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)  # a BatchEncoding in v5
+        assert engine.tokenizer.encode("x")[0] == bos_id and expected[0] == bos_id != expected[1]
+        out = engine.chat(conversation, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == expected and out.prompt == engine.chat_prompt(conversation)
+    line = {"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": conversation, "max_tokens": 2}}
+    (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
+    assert run_batch.main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                           "--model", str(path), "--num-kvcache-blocks", "8"]) == 0
+    record = json.loads((tmp_path / "out.jsonl").read_text())
+    assert record["response"]["body"]["usage"]["prompt_tokens"] == len(expected)

@@ -1,6 +1,7 @@
 """vLLM users' code runs unchanged: output objects, prompt forms, SamplingParams, and clear errors."""
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -253,3 +254,39 @@ def test_a_stop_string_inside_min_tokens_does_not_stop_later(llm):
                                                 stop=[first_two]), use_tqdm=False)[0].outputs[0]
     assert first_two not in llm.tokenizer.decode(free.outputs[0].token_ids[2:])  # no later occurrence
     assert out.finish_reason == "length" and out.token_ids == free.outputs[0].token_ids
+
+
+def test_a_stop_string_met_inside_min_tokens_and_again_after_stops_there(llm):
+    """The later occurrence of a stop string counts even while the one min_tokens let pass is still in view."""
+    decode = llm.tokenizer.decode
+    for seed in range(70, 90):  # a prompt whose greedy output repeats a token's text
+        prompt = random_prompts([20], seed=seed)[0]
+        free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+        texts = [decode([t]) for t in free]
+        repeat = next((j for j, text in enumerate(texts) if text.strip() and text in texts[:j]), None)
+        if repeat is not None:
+            break
+    assert repeat is not None, "no greedy output with a repeated token in 20 prompts"
+    stop = texts[repeat]
+    # as vLLM: stop strings are looked for once more than min_tokens tokens are out, so the first occurrence
+    # (completed with min_tokens tokens out) passes
+    min_tokens = texts.index(stop) + 1
+    # the reference: the first token past min_tokens whose own text holds the end of an occurrence
+    expected = next(k for k in range(min_tokens, len(free))
+                    if decode(free[:k + 1]).rfind(stop) + len(stop) > len(decode(free[:k])))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop],
+                                                min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == free[:expected + 1] and out.text == decode(free[:expected + 1])[:-len(stop)]
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("option, value", [
+    ("num_kvcache_blocks", 2.5), ("num_kvcache_blocks", -0.5), ("kvcache_block_size", 16.0),
+    ("kvcache_block_size", "256"), ("gpu_memory_utilization", "0.9"), ("gpu_memory_utilization", 1.5),
+    ("enforce_eager", "no"), ("max_num_seqs", True), ("max_logprobs", 2.0),
+])
+def test_engine_options_of_the_wrong_type_are_named(tiny_model, option, value):
+    with pytest.raises(ValueError, match=rf"^{option} must .*got {re.escape(repr(value))}"):
+        LLM(tiny_model, **{option: value})

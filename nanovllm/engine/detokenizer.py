@@ -1,3 +1,5 @@
+import os
+
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.sequence import Sequence
@@ -24,7 +26,10 @@ class Detokenizer:
         if not found:  # the common case: one decode per token
             return None
         before = self.tokenizer.decode(seq.token_ids[first: index])
-        return next((s for s in found if s not in before), None)
+        # the new token's text starts where `before` stops being a prefix (a partial character may change);
+        # a stop string counts if its last occurrence ends there or later, even if it also occurred before
+        new_text_at = len(os.path.commonprefix([before, tail]))
+        return next((s for s in found if tail.rfind(s) + len(s) > new_text_at), None)
 
     def output_text(self, seq: Sequence) -> str:
         params = seq.params

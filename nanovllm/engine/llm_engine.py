@@ -62,6 +62,7 @@ class LLMEngine:
         # launched, tokens not read back yet (async scheduling: the next step is launched before it completes)
         self.in_flight: Step | None = None
         self._lock = threading.Lock()  # one generate() at a time per engine
+        self._lock_holder: int | None = None  # its thread: one that asks again would wait on itself forever
         self._exited = False
         atexit.register(self.exit)
 
@@ -131,9 +132,8 @@ class LLMEngine:
         """Schedule and launch one batch, then complete the batch launched before it (async scheduling: its
         tokens are read back while the device works on the new one, which hides the host's bookkeeping behind
         device time). Returns the batch and its token count (negative for decode)."""
-        # A prefill overlaps with the step in flight as a decode does: it feeds known prompt tokens (a request
-        # preempted while its token was in flight gets that token when the step completes, which is before the
-        # next schedule() can admit it again).
+        # a prefill overlaps the step in flight as a decode does (a request preempted while its token was in
+        # flight gets that token when the step completes, before the next schedule() can admit it again)
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:  # the step only retired requests, or all that is left is in flight
             if self.in_flight is None and (reason := self.scheduler.why_stuck()):
@@ -229,7 +229,9 @@ class LLMEngine:
         """generate() over conversations (one, or a list of them), as vLLM's LLM.chat; chat_template_kwargs (such
         as enable_thinking) go to the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        texts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        # the template writes its own special tokens (Llama 3's BOS): the tokenizer must not add them again
+        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _check_open(self) -> None:
@@ -258,7 +260,11 @@ class LLMEngine:
     def _stream(self, requests: Iterator[tuple[int, str | None, list[Sequence] | Exception]], window: int,
                 total: int | None, use_tqdm: bool) -> Iterator[tuple[int, RequestOutput | Exception]]:
         """Keep up to `window` requests queued or running, step, and yield each as it finishes."""
+        if self._lock_holder == threading.get_ident():
+            raise RuntimeError("an iter_generate() of this engine is still open in this thread: exhaust it or call "
+                               "its close() before the next call")
         with self._lock:
+            self._lock_holder = threading.get_ident()
             bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
             outstanding: dict[int, tuple[str | None, list[Sequence]]] = {}
             exhausted = False
@@ -289,6 +295,7 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
+                self._lock_holder = None
 
 
 _MISSING = object()  # sampling_params ended before the prompts
