@@ -2,7 +2,7 @@
 import pickle
 
 import pytest
-from hf_reference import assert_no_leaks, assert_teacher_forced_greedy
+from hf_reference import assert_no_leaks, assert_teacher_forced_greedy, hf_greedy
 from test_e2e_transformers import random_prompts
 
 from nanovllm import LLM, SamplingParams
@@ -67,6 +67,28 @@ def test_lone_sequence_out_of_blocks_finishes_without_harming_others(tiny_model,
     for prompt, out in zip(prompts, outputs):
         assert_teacher_forced_greedy(hf_model, prompt, out["token_ids"])
 
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_requests_that_outgrow_a_tiny_cache_end_at_length_and_the_rest_run(tiny_model, hf_model, async_scheduling):
+    """A request that can never grow in the whole cache ends at "length" whoever it was running beside: alone
+    (the others, preempted, then run), or preempted itself (an n-th sample of a prompt that fills the cache)."""
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = random_prompts([20, 3], seed=25)
+    with LLM(tiny_model, num_kvcache_blocks=2, kvcache_block_size=16, async_scheduling=async_scheduling) as llm:
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)  # 32 tokens of KV in all
+        assert_no_leaks(llm)
+    assert [(len(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outputs] == [(13, "length"),
+                                                                                             (20, "length")]
+    for prompt, out in zip(prompts, outputs):
+        assert_teacher_forced_greedy(hf_model, prompt, out.outputs[0].token_ids)
+    fills_the_cache = random_prompts([64], seed=26)
+    with LLM(tiny_model, num_kvcache_blocks=4, kvcache_block_size=16, async_scheduling=async_scheduling) as llm:
+        two = llm.generate(fills_the_cache, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=2),
+                           use_tqdm=False)[0].outputs
+        assert_no_leaks(llm)
+    assert [(len(c.token_ids), c.finish_reason) for c in two] == [(1, "length")] * 2
+    assert two[0].token_ids == two[1].token_ids == hf_greedy(hf_model, fills_the_cache[0], 1)
 
 def test_identical_prompts_in_one_step_and_preempted_prefix_hits(tiny_model, hf_model):
     shared = random_prompts([600], seed=23)[0]

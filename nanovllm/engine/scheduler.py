@@ -114,6 +114,10 @@ class Scheduler:
         return scheduled
 
     def _preempt(self, seq: Sequence) -> None:
+        if seq.num_blocks > self.block_manager.num_blocks:  # its recompute would need more than the whole cache
+            self._finish(seq, "length")
+            self.running.remove(seq)
+            return
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)  # before leaving running, so it is always in one deque at least
         self.running.remove(seq)
@@ -200,6 +204,8 @@ class Scheduler:
         if self.running or not self.waiting:
             return None
         seq, bm = self.waiting[0], self.block_manager
+        if seq.block_table or bm.can_allocate(seq):  # it fits now: a decode just finished one that never could
+            return None
         return (f"request {seq.seq_id} ({len(seq)} tokens) needs {seq.num_blocks} KV blocks and holds "
                 f"{len(seq.block_table)}; {len(bm.free_block_ids)} of {bm.num_blocks} are free and no running "
                 f"request can free more")
