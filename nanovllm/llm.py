@@ -1,4 +1,6 @@
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.outputs import RequestOutput
+from nanovllm.sampling_params import SamplingParams
 
 
 class LLM(LLMEngine):
@@ -13,3 +15,14 @@ class LLM(LLMEngine):
 
     def __exit__(self, *exc_info) -> None:
         self.exit()
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """generate() over conversations (one, or a list of them), as vLLM's LLM.chat; chat_template_kwargs (such
+        as enable_thinking) go to the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        texts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
+        # the template writes its own special tokens (Llama 3's BOS): the tokenizer must not add them again
+        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -223,17 +223,6 @@ class LLMEngine:
         return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                   **(chat_template_kwargs or {}))
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """generate() over conversations (one, or a list of them), as vLLM's LLM.chat; chat_template_kwargs (such
-        as enable_thinking) go to the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [self.chat_prompt(conversation, chat_template_kwargs) for conversation in conversations]
-        # the template writes its own special tokens (Llama 3's BOS): the tokenizer must not add them again
-        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
     def _check_open(self) -> None:
         if self._exited:
             raise RuntimeError("this LLM has exited (llm.exit() or its with block ended); create a new one")
