@@ -1,11 +1,13 @@
 """The sampler against plain-torch references on the same logits."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from nanovllm.layers.gumbel_max import gumbel_max_sample
-from nanovllm.layers.sampler import Sampler, SamplingTensors, filter_logits
+from nanovllm.layers.sampler import Sampler, SamplingTensors, step_keys
+from nanovllm.layers.sampling_floors import logit_floors
 
 
 def reference_keep(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -31,26 +33,59 @@ def reference_keep(row: torch.Tensor, top_k: int, top_p: float, min_p: float) ->
     return keep
 
 
+def kept_by_floors(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> list[set[int]]:
+    rows = logits.size(0)
+    unbounded = torch.arange(rows) if top_p < 1.0 and top_k <= 0 else None
+    floors = logit_floors(logits, torch.full((rows,), temperature), torch.full((rows,), max(top_k, 0)),
+                          torch.full((rows,), top_p), torch.full((rows,), min_p), max(top_k, 1), unbounded)
+    return [{i for i in range(logits.size(1)) if logits[row, i] >= floors[row]} for row in range(rows)]
+
+
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.1), (20, 0.9, 0.05),
-                                               (1, 0.5, 0.0), (0, 0.3, 0.3)])
-def test_filters_match_reference(top_k, top_p, min_p):
+                                               (1, 0.5, 0.0), (0, 0.3, 0.3), (60, 0.95, 0.0), (7, 1.0, 0.2)])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_floors_keep_what_the_filters_keep(top_k, top_p, min_p, temperature):
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 2
-    n = logits.size(0)
-    out = filter_logits(logits, torch.full((n,), top_k), torch.full((n,), top_p), torch.full((n,), min_p))
-    for row in range(n):
-        kept = {i for i in range(50) if math.isfinite(out[row, i].item())}
-        assert kept == reference_keep(logits[row], top_k, top_p, min_p)
-        assert torch.equal(out[row][list(kept)], logits[row][list(kept)])
+    for row, kept in enumerate(kept_by_floors(logits, temperature, top_k, top_p, min_p)):
+        assert kept == reference_keep(logits[row] / temperature, top_k, top_p, min_p)
+
+
+def reference_keep_with_ties(row: list[float], top_k: int, top_p: float) -> set[int]:
+    """The definitions of layers/sampling_floors.py, for logits with ties: top-k keeps what is at least the k-th
+    largest; top-p keeps a token when the kept tokens strictly more likely than it hold less than top_p."""
+    keep = set(range(len(row)))
+    if top_k > 0:
+        kth = sorted(row, reverse=True)[top_k - 1]
+        keep = {i for i in keep if row[i] >= kth}
+    total = sum(math.exp(row[i]) for i in keep)
+    return {i for i in keep if sum(math.exp(row[j]) for j in keep if row[j] > row[i]) < top_p * total}
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (4, 0.7), (9, 0.5), (0, 0.6), (2, 0.99)])
+def test_ties_are_kept_or_dropped_together(top_k, top_p):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 5, (8, 30), generator=gen).float()  # five values over 30 tokens: ties everywhere
+    for row, kept in enumerate(kept_by_floors(logits, 1.0, top_k, top_p, 0.0)):
+        assert kept == reference_keep_with_ties(logits[row].tolist(), top_k, top_p)
 
 
 def test_rows_mix_settings_and_off_values():
     torch.manual_seed(1)
-    logits = torch.randn(3, 40)
-    out = filter_logits(logits, torch.tensor([0, 3, 0]), torch.tensor([1.0, 1.0, 0.5]), None)
-    assert torch.isfinite(out[0]).all()  # every filter off
-    assert torch.isfinite(out[1]).sum() == 3
-    assert {i for i in range(40) if math.isfinite(out[2, i].item())} == reference_keep(logits[2], 0, 0.5, 0.0)
+    logits = torch.randn(4, 40)
+    floors = logit_floors(logits, torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([0, 3, 0, 3]),
+                          torch.tensor([1.0, 1.0, 0.5, 0.5]), None, 3, torch.tensor([2]))
+    assert floors[0] == float("-inf") and floors[3] == float("-inf")  # every filter off; a greedy row
+    assert (logits[1] >= floors[1]).sum() == 3
+    assert {i for i in range(40) if logits[2, i] >= floors[2]} == reference_keep(logits[2], 0, 0.5, 0.0)
+
+
+def test_step_keys_are_non_negative_and_differ_by_seed_and_step():
+    seeds = np.array([0, 0, 1, -5, 2**63 - 1], dtype=np.int64)
+    steps = np.array([0, 1, 0, 0, 7], dtype=np.int64)
+    keys = step_keys(seeds, steps)
+    assert keys.dtype == np.int64 and (keys >= 0).all() and len(set(keys.tolist())) == 5
+    assert step_keys(seeds, steps).tolist() == keys.tolist()
 
 
 def test_greedy_is_argmax_and_respects_bans():
@@ -77,24 +112,37 @@ def test_temperature_sampling_follows_the_distribution():
     assert chi2 < 25.0, (counts, expected)  # 5 degrees of freedom: p < 1e-4 by chance
 
 
-def test_filtered_sampling_never_leaves_the_kept_set():
+def test_filtered_sampling_follows_the_filtered_distribution():
     torch.manual_seed(4)
-    logits = torch.randn(1, 50).repeat(2000, 1)
-    params = SamplingTensors(torch.ones(2000), top_k=torch.full((2000,), 7), top_p=torch.full((2000,), 0.9))
-    out = Sampler()(logits, params)
-    allowed = reference_keep(logits[0], 7, 0.9, 0.0)
-    assert set(out.token_ids.tolist()) <= allowed and len(set(out.token_ids.tolist())) > 1
+    row = torch.randn(50)
+    draws, temperature = 40_000, 0.8
+    params = SamplingTensors(torch.full((draws,), temperature), top_k=torch.full((draws,), 7),
+                             top_p=torch.full((draws,), 0.9), candidates=7)
+    out = Sampler()(row.repeat(draws, 1), params).token_ids
+    allowed = sorted(reference_keep(row / temperature, 7, 0.9, 0.0))
+    counts = torch.bincount(out, minlength=50).double()
+    assert counts.sum() == counts[allowed].sum()  # never outside the kept set
+    expected = torch.softmax(row[allowed].double() / temperature, 0) * draws
+    chi2 = ((counts[allowed] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 10 + 6 * (2 * len(allowed)) ** 0.5, (counts[allowed], expected)
+
+
+def keyed(rows: int, keys: dict[int, int]) -> torch.Tensor:
+    row_seeds = torch.full((rows,), -1, dtype=torch.int64)
+    for row, key in keys.items():
+        row_seeds[row] = key
+    return row_seeds
 
 
 def test_seeded_rows_ignore_the_rest_of_the_batch():
     torch.manual_seed(5)
     logits = torch.randn(5, 100)
     sampler = Sampler()
-    alone = sampler(logits[2:3], SamplingTensors(torch.ones(1), seeds=[(0, 42)])).token_ids[0].item()
+    alone = sampler(logits[2:3], SamplingTensors(torch.ones(1), row_seeds=keyed(1, {0: 42}))).token_ids[0].item()
     for _ in range(5):
-        mixed = sampler(logits, SamplingTensors(torch.ones(5), seeds=[(2, 42)])).token_ids[2].item()
+        mixed = sampler(logits, SamplingTensors(torch.ones(5), row_seeds=keyed(5, {2: 42}))).token_ids[2].item()
         assert mixed == alone
-    draws = {sampler(logits[2:3], SamplingTensors(torch.ones(1), seeds=[(0, s)])).token_ids[0].item()
+    draws = {sampler(logits[2:3], SamplingTensors(torch.ones(1), row_seeds=keyed(1, {0: s}))).token_ids[0].item()
              for s in range(40)}
     assert len(draws) > 1  # different seeds, different draws
 
@@ -136,6 +184,41 @@ def test_gumbel_kernel_follows_the_distribution():
     counts = torch.bincount(out, minlength=6).double()
     chi2 = ((counts - probs * draws) ** 2 / (probs * draws)).sum().item()
     assert chi2 < 25.0, counts  # 5 degrees of freedom: p < 1e-4 by chance
+
+
+def test_gumbel_kernel_floors_bound_the_draw():
+    vocab, rows = 2500, 6
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9))
+    floors = logits.topk(3, dim=-1).values[:, -1].clone()  # three tokens per row stay
+    floors[5] = float("-inf")
+    seen: list[set[int]] = [set() for _ in range(rows)]
+    for seed in range(8):
+        out = gumbel_max_sample(logits, torch.full((rows,), 50.0), seed=seed, chunk=1024, floors=floors)
+        for row in range(rows):
+            seen[row].add(out[row].item())
+    for row in range(5):
+        assert seen[row] == set(logits[row].topk(3).indices.tolist())  # only those three, and each of them
+    assert len(seen[5]) > 3
+    # a greedy row is the argmax whatever its floor
+    greedy = gumbel_max_sample(logits, torch.zeros(rows), seed=4, chunk=1024, floors=floors)
+    assert greedy.tolist() == logits.argmax(-1).tolist()
+
+
+def test_gumbel_kernel_seeded_rows_depend_on_their_key_alone():
+    vocab = 2500
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(10))
+    logits = torch.stack([torch.randn(vocab), torch.randn(vocab), row, row])
+    temperatures = torch.full((4,), 3.0)  # flat: a different stream gives a different token
+    alone = [gumbel_max_sample(row.unsqueeze(0), temperatures[:1], seed=1, chunk=1024,
+                               row_seeds=torch.tensor([key])).item() for key in range(12)]
+    assert len(set(alone)) > 3
+    for key in (0, 5):
+        keys = torch.tensor([-1, -1, key, -1])
+        out = gumbel_max_sample(logits, temperatures, seed=key + 7, chunk=1024, row_seeds=keys)
+        assert out[2].item() == alone[key]  # another row, another step seed, other neighbours: the same token
+        # unseeded rows keep the step's stream, as without row seeds
+        plain = gumbel_max_sample(logits, temperatures, seed=key + 7, chunk=1024)
+        assert out[[0, 1, 3]].tolist() == plain[[0, 1, 3]].tolist()
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ from torch import nn
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.gumbel_max import gumbel_max_sample
 from nanovllm.layers.penalties import PenaltyHistories, PenaltyTensors, has_penalties
+from nanovllm.layers.sampling_floors import logit_floors
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
@@ -15,23 +16,29 @@ from nanovllm.utils.device import to_device
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling settings on the logits' device. Optional parts are None when no row uses them,
-    so the common case (temperature only) skips the sort that top-k/top-p need."""
+    """Per-row sampling settings on the logits' device. Optional parts are None when no row uses them, so the
+    common case (temperature only) is one kernel over the logits."""
 
     temperatures: torch.Tensor
-    top_k: torch.Tensor | None = None  # 0 = off
+    top_k: torch.Tensor | None = None  # int64, 0 = off
     top_p: torch.Tensor | None = None  # 1 = off
     min_p: torch.Tensor | None = None  # 0 = off
-    seeds: list[tuple[int, int]] | None = None  # (row, seed for this row at this step)
+    candidates: int = 1  # the largest top_k: how many of each row's largest logits the filters read
+    unbounded_top_p: torch.Tensor | None = None  # rows with top-p and no top-k (their floor needs a sort)
+    row_seeds: torch.Tensor | None = None  # int64 per row: its own stream's key at this step, -1 = the step's
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out (min_tokens)
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
     logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
     penalties: PenaltyTensors | None = None  # applied to the logits first
 
     @property
+    def filtered(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
     def temperature_only(self) -> bool:
-        return (self.top_k is None and self.top_p is None and self.min_p is None and not self.seeds
-                and self.banned is None and self.num_logprobs is None)
+        return (not self.filtered and self.row_seeds is None and self.banned is None
+                and self.num_logprobs is None)
 
 
 @dataclass
@@ -41,37 +48,32 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None] | None = None
 
 
-def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    # Gumbel-max: argmax(logits / T - log E) with E ~ Exp(1) is a draw from softmax(logits / T). Unlike the
-    # softmax-then-divide form it needs no normalisation (which does not move the argmax); temperature 0
-    # rows take the plain argmax in the same pass. On the GPU, layers/gumbel_max.py does this in one kernel.
+def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor, floors: torch.Tensor | None = None,
+                     row_seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """layers/gumbel_max.py's draw in torch ops (the CPU path): argmax(logits / T - log E) with E ~ Exp(1) over the
+    logits at or above each row's floor is a draw from their softmax; temperature 0 rows take the plain argmax.
+    A row with a seed (row_seeds >= 0) draws its noise from a generator keyed by it alone."""
     logits = logits.float()
-    log_noise = torch.empty_like(logits).exponential_(1).clamp_min_(1e-10).log()
+    if floors is not None:
+        logits = logits.masked_fill(logits < floors.unsqueeze(1), float("-inf"))
+    noise = torch.empty_like(logits).exponential_(1)
+    if row_seeds is not None:
+        for row, key in enumerate(row_seeds.tolist()):
+            if key >= 0:
+                noise[row].exponential_(1, generator=torch.Generator(logits.device).manual_seed(key))
     temperatures = temperatures.unsqueeze(1)
-    scores = torch.where(temperatures == 0, logits, logits / temperatures.clamp_min(1e-5) - log_noise)
+    scores = torch.where(temperatures == 0, logits,
+                         logits / temperatures.clamp_min(1e-5) - noise.clamp_min_(1e-10).log())
     return scores.argmax(dim=-1)
 
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                  min_p: torch.Tensor | None) -> torch.Tensor:
-    """Set to -inf what top-k, then top-p, then min-p remove from already temperature-scaled logits."""
-    if top_k is not None or top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        if top_k is not None:
-            k = torch.where(top_k > 0, top_k, logits.size(-1)).clamp(max=logits.size(-1))
-            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        if top_p is not None:
-            probs = sorted_logits.softmax(dim=-1)
-            # drop a token when the more likely ones before it already reach top_p (the first always stays)
-            before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    if min_p is not None:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values,
-                                    float("-inf"))
-    return logits
+def step_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """A seeded row's key at each step: a hash (splitmix64's mixer) of the request's seed and how many tokens it has
+    generated, so a replay after preemption draws the same noise. Non-negative: -1 marks an unseeded row."""
+    z = seeds.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15) + steps.astype(np.uint64) + np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
 def samples_with_temperature_only(params: SamplingParams) -> bool:
@@ -98,7 +100,6 @@ class Sampler(nn.Module):
         super().__init__()
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
-        self.generator: torch.Generator | None = None
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
         self.penalty_histories = PenaltyHistories(device)
 
@@ -106,20 +107,29 @@ class Sampler(nn.Module):
         """fed_token_ids: a decode step's input ids on the device (the tokens the penalties count last)."""
         params = [seq.params for seq in seqs]
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
-        tensors = SamplingTensors(as_tensor([p.temperature for p in params], np.float32))
-        if any(map(has_penalties, params)):
-            tensors.penalties = self.penalty_histories.tensors(seqs, fed_token_ids)
+        temperatures = [p.temperature for p in params]
+        penalties = self.penalty_histories.tensors(seqs, fed_token_ids) if any(map(has_penalties, params)) else None
         if all(map(samples_with_temperature_only, params)):  # the per-step common case
-            return tensors
-        if any(p.top_k > 0 for p in params):
-            tensors.top_k = as_tensor([max(p.top_k, 0) for p in params], np.int64)
+            return SamplingTensors(as_tensor(temperatures, np.float32), penalties=penalties)
+        # one transfer for the float settings and one for the integer ones
+        floats = as_tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], np.float32)
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        seeded = [(i, p.seed, seq.num_completion_tokens) for i, (p, seq) in enumerate(zip(params, seqs))
+                  if p.seed is not None and p.temperature]
+        keys = np.full(len(seqs), -1, dtype=np.int64)
+        if seeded:
+            rows, seeds, steps = zip(*seeded)
+            keys[list(rows)] = step_keys(np.array(seeds, dtype=np.int64), np.array(steps, dtype=np.int64))
+        ints = as_tensor(np.stack([np.array(top_k, dtype=np.int64), keys]), np.int64)
+        tensors = SamplingTensors(floats[0], penalties=penalties, row_seeds=ints[1] if seeded else None)
+        if any(top_k):
+            tensors.top_k, tensors.candidates = ints[0], max(top_k)
         if any(p.top_p < 1.0 for p in params):
-            tensors.top_p = as_tensor([p.top_p for p in params], np.float32)
+            tensors.top_p = floats[1]
+            unbounded = [i for i, p in enumerate(params) if p.top_p < 1.0 and p.top_k <= 0 and p.temperature]
+            tensors.unbounded_top_p = as_tensor(unbounded, np.int64) if unbounded else None
         if any(p.min_p > 0.0 for p in params):
-            tensors.min_p = as_tensor([p.min_p for p in params], np.float32)
-        # the step's seed mixes in how many tokens the request has so far, so a replay after preemption matches
-        tensors.seeds = [(i, (p.seed * 1_000_003 + seq.num_completion_tokens) % (1 << 63))
-                         for i, (p, seq) in enumerate(zip(params, seqs)) if p.seed is not None and p.temperature]
+            tensors.min_p = floats[2]
         banned = [(i, t) for i, (p, seq) in enumerate(zip(params, seqs)) if seq.num_completion_tokens < p.min_tokens
                   for t in (*p.stop_token_ids, *self.eos_token_ids)]
         if banned:
@@ -134,12 +144,14 @@ class Sampler(nn.Module):
         model_logits = logits
         if params.penalties is not None:
             logits = params.penalties.apply(logits)
-        if params.temperature_only:  # the common case: one fused kernel
-            return SamplerOutput(self._sample_plain(logits, params.temperatures))
-        logits = logits.float().clone() if params.banned is not None else logits.float()
         if params.banned is not None:
+            logits = logits.clone() if logits is model_logits else logits
             logits[params.banned] = float("-inf")
-        tokens = self._sample(logits, params)
+        floors = None
+        if params.filtered:
+            floors = logit_floors(logits, params.temperatures, params.top_k, params.top_p, params.min_p,
+                                  params.candidates, params.unbounded_top_p)
+        tokens = self._draw(logits, params.temperatures, floors, params.row_seeds)
         logprobs = None
         if params.num_logprobs is not None:
             # logprobs of the model's own distribution, as vLLM reports them by default: before penalties,
@@ -154,27 +166,12 @@ class Sampler(nn.Module):
                                                             tokens.tolist(), chosen.tolist(), chosen_rank.tolist())]
         return SamplerOutput(tokens, logprobs)
 
-    def _sample_plain(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, temperatures: torch.Tensor, floors: torch.Tensor | None,
+              row_seeds: torch.Tensor | None) -> torch.Tensor:
         if not logits.is_cuda:
-            return gumbel_max_torch(logits, temperatures)
+            return gumbel_max_torch(logits, temperatures, floors, row_seeds)
         if self.counters is None or self.counters.numel() < logits.size(0) or self.counters.device != logits.device:
             self.counters = torch.zeros(max(512, logits.size(0)), dtype=torch.int32, device=logits.device)
         # a fresh stream per step, drawn from torch's generator so torch.manual_seed makes runs repeatable
         seed = int(torch.randint(0, 2**31 - 1, ()).item())
-        return gumbel_max_sample(logits, temperatures, seed, self.counters)
-
-    def _sample(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        temperatures = params.temperatures
-        scaled = filter_logits(logits / temperatures.clamp_min(1e-5).unsqueeze(1), params.top_k, params.top_p,
-                               params.min_p)
-        noise = torch.empty_like(scaled).exponential_(1)
-        if params.seeds:
-            # a seeded row draws from its own stream, so the batch around it cannot change its tokens
-            if self.generator is None or self.generator.device != logits.device:
-                self.generator = torch.Generator(logits.device)
-            for row, seed in params.seeds:
-                self.generator.manual_seed(seed)
-                noise[row].exponential_(1, generator=self.generator)
-        sampled = (scaled - noise.clamp_min_(1e-10).log()).argmax(dim=-1)  # Gumbel-max, as gumbel_max_torch
-        greedy = logits.argmax(dim=-1)
-        return torch.where(temperatures == 0, greedy, sampled)
+        return gumbel_max_sample(logits, temperatures, seed, self.counters, floors=floors, row_seeds=row_seeds)
