@@ -1,17 +1,25 @@
-"""The temperature-only sampler alone, on the GPU: compiled torch Gumbel-max against the Triton kernel.
+"""The sampler alone on the GPU, per step: each sampling option's device time and the host's time to prepare it.
 
     python benchmarks/microbench_sampler.py
 
-bf16 logits over Qwen3's 151,936-token vocabulary, as the LM head hands them over; timed with CUDA events
-over repeated calls (the sampler runs outside the CUDA graphs, as here).
+bf16 logits over Qwen3's 151,936-token vocabulary, as the LM head hands them over; device time by CUDA events over
+repeated calls, host time by the wall clock of `prepare` + launching (the sampler runs outside the CUDA graphs, as
+here). Also the parts of the filtered path: torch.topk of the largest 20 logits, and the count of ties.
 """
+import time
+
 import torch
 
-from nanovllm.layers.gumbel_max import gumbel_max_sample
-from nanovllm.layers.sampler import gumbel_max_torch
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import Sampler
+from nanovllm.sampling_params import SamplingParams
+
+VOCAB = 151936
+OPTIONS = {"plain": {}, "seeded": dict(seed=0), "top_k=20,top_p=0.95": dict(top_k=20, top_p=0.95),
+           "min_p=0.05": dict(min_p=0.05), "top_p=0.9": dict(top_p=0.9)}
 
 
-def time_us(fn, iters: int = 50) -> float:
+def time_us(fn, iters: int = 30) -> float:
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -23,17 +31,33 @@ def time_us(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def host_us(fn, iters: int = 30) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return seconds * 1e6 / iters
+
+
 def main() -> None:
-    compiled = torch.compile(gumbel_max_torch, dynamic=True)
-    counters = torch.zeros(512, dtype=torch.int32, device="cuda")
-    print("| rows | compiled torch us | triton us | logits GB/s (triton) |")
+    sampler = Sampler(device=torch.device("cuda"))
+    print("| rows | sampling | device us | host us (prepare + launch) |")
     print("| --- | --- | --- | --- |")
-    for rows in (1, 16, 64, 128, 256):
-        logits = torch.randn(rows, 151936, device="cuda").to(torch.bfloat16)
-        temperatures = torch.full((rows,), 0.6, device="cuda")
-        torch_us = time_us(lambda logits=logits, t=temperatures: compiled(logits, t))
-        triton_us = time_us(lambda logits=logits, t=temperatures: gumbel_max_sample(logits, t, 1, counters))
-        print(f"| {rows} | {torch_us:.1f} | {triton_us:.1f} | {logits.numel() * 2 / triton_us / 1e3:.0f} |")
+    for rows in (64, 256, 512):
+        logits = torch.randn(rows, VOCAB, device="cuda").to(torch.bfloat16)
+        for name, options in OPTIONS.items():
+            seqs = [Sequence([1], SamplingParams(temperature=0.6, **{**options, **(
+                {"seed": i} if "seed" in options else {})})) for i in range(rows)]
+            tensors = sampler.prepare(seqs)
+            device = time_us(lambda logits=logits, tensors=tensors: sampler(logits, tensors))
+            host = host_us(lambda logits=logits, seqs=seqs: sampler(logits, sampler.prepare(seqs)))
+            print(f"| {rows} | {name} | {device:.0f} | {host:.0f} |")
+        kth = logits.topk(20, dim=-1).values[:, -1:]
+        print(f"| {rows} | torch.topk(20) alone | {time_us(lambda logits=logits: logits.topk(20, dim=-1)):.0f} | |")
+        print(f"| {rows} | ties count alone | {time_us(lambda logits=logits, kth=kth: (logits >= kth).sum(-1)):.0f} | |")
 
 
 if __name__ == "__main__":

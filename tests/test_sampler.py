@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.layers.gumbel_max import gumbel_max_sample
 from nanovllm.layers.sampler import Sampler, SamplingTensors, step_keys
-from nanovllm.layers.sampling_floors import logit_floors
+from nanovllm.layers.sampling_floors import CHUNK, LargestLogits, logit_floors
 
 
 def reference_keep(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -68,6 +68,25 @@ def test_ties_are_kept_or_dropped_together(top_k, top_p):
     logits = torch.randint(0, 5, (8, 30), generator=gen).float()  # five values over 30 tokens: ties everywhere
     for row, kept in enumerate(kept_by_floors(logits, 1.0, top_k, top_p, 0.0)):
         assert kept == reference_keep_with_ties(logits[row].tolist(), top_k, top_p)
+
+
+@pytest.mark.parametrize("k", [2, 5, 11])
+def test_largest_logits_chunk_wise_are_the_largest_logits_and_count_every_tie(k):
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randint(0, 6, (5, CHUNK * 12), generator=gen).to(torch.bfloat16)  # ties within and across chunks
+    logits[1] = torch.randn(CHUNK * 12, generator=gen)  # no ties
+    logits[2, :] = 0.0
+    logits[2, ::CHUNK] = 5.0  # every chunk's maximum ties: the pool of k chunks misses most of them
+    logits[3, 7] = 9.0  # one chunk holds the two largest
+    logits[3, 8] = 8.0
+    chunked, whole = LargestLogits(logits, k, chunked=True), LargestLogits(logits, k, chunked=False)
+    assert chunked.pool.shape == (5, k * CHUNK) and whole.pool is logits
+    assert torch.equal(chunked.values, logits.float().sort(dim=-1, descending=True).values[:, :k])
+    assert torch.equal(chunked.values, whole.values)
+    kth = chunked.values[:, -1]
+    expected = (logits.float() >= kth.unsqueeze(1)).sum(dim=-1)
+    assert chunked.count_at_least(kth).tolist() == expected.tolist() == whole.count_at_least(kth).tolist()
+    assert expected[2] == 12
 
 
 def test_rows_mix_settings_and_off_values():

@@ -9,10 +9,60 @@ this order, each to what the one before left (vLLM's order):
   (tied tokens share the decision, whatever order a sort would give them);
 - min-p keeps the tokens at least min_p times as likely as the most likely.
 
-A row with top-k needs only its k largest logits (`topk`, no sort of the vocabulary). A row with top-p and no top-k
-has no such bound: its floor comes from a sort of its whole row, the one exact path that costs a sort.
+A row with top-k needs only its k largest logits, and those lie in the k chunks of the row with the largest maxima:
+so the GPU finds them among k * 128 logits (`largest_logits`), not among the whole vocabulary. A row with top-p and
+no top-k has no such bound: its floor comes from a sort of its whole row, the one exact path that costs a sort.
 """
 import torch
+import triton
+import triton.language as tl
+
+CHUNK = 128  # logits per chunk when the k largest are looked for chunk-wise
+
+
+@triton.jit
+def _recount(logits_ptr, floors_ptr, recount_ptr, counts_ptr, vocab, row_stride, BLOCK: tl.constexpr):
+    """counts[row] = how many logits of the row are at least floors[row], for the rows marked in recount only."""
+    row = tl.program_id(0)
+    if tl.load(recount_ptr + row) != 0:
+        floor = tl.load(floors_ptr + row)
+        total = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, vocab, BLOCK):
+            index = start + tl.arange(0, BLOCK)
+            x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=index < vocab, other=float("-inf"))
+            total += (x.to(tl.float32) >= floor).to(tl.int32)
+        tl.store(counts_ptr + row, tl.sum(total, 0))
+
+
+class LargestLogits:
+    """The k largest logits of each row, float32 and descending, and how to count a row's logits at or above a
+    value among them (ties past the k-th included)."""
+
+    def __init__(self, logits: torch.Tensor, k: int, chunked: bool) -> None:
+        rows, vocab = logits.shape
+        self.logits, self.k = logits, k
+        self.maxima = None
+        self.pool = logits  # where every logit at or above the k-th largest is
+        if chunked and k > 1 and vocab % CHUNK == 0 and vocab // CHUNK > k:
+            chunks = logits.view(rows, vocab // CHUNK, CHUNK)
+            self.maxima = chunks.amax(dim=-1)
+            # every one of the k largest logits is in a chunk whose maximum is among the k largest maxima
+            best = self.maxima.topk(k, dim=-1).indices
+            self.pool = chunks.gather(1, best.unsqueeze(2).expand(rows, k, CHUNK)).view(rows, k * CHUNK)
+        self.values = (self.pool.amax(dim=-1, keepdim=True) if k == 1 else self.pool.topk(k, dim=-1).values).float()
+
+    def count_at_least(self, floors: torch.Tensor) -> torch.Tensor:
+        """Per row, how many of its logits are >= floors (each at most the row's k-th largest)."""
+        counts = (self.pool >= floors.unsqueeze(1).to(self.pool.dtype)).sum(dim=-1, dtype=torch.int32)
+        if self.maxima is None:
+            return counts
+        # a chunk left out of the pool holds such a logit only when its maximum ties with the pool's smallest
+        # maximum: then that row is counted over its whole vocabulary (rare: exact ties of bf16 maxima)
+        recount = ((self.maxima >= floors.unsqueeze(1).to(self.maxima.dtype)).sum(dim=-1) > self.k).to(torch.int32)
+        rows, vocab = self.logits.shape
+        _recount[(rows,)](self.logits, floors.contiguous(), recount, counts, vocab, self.logits.stride(0),
+                          BLOCK=4096)
+        return counts
 
 
 def _top_p_floor(values: torch.Tensor, scaled: torch.Tensor, top_p: torch.Tensor,
@@ -40,7 +90,8 @@ def logit_floors(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
     unbounded_top_p: int64 indices of the rows with top-p and no top-k."""
     rows, vocab = logits.shape
     num_candidates = max(1, min(candidates, vocab))
-    values = logits.topk(num_candidates, dim=-1).values.float()  # descending
+    largest = LargestLogits(logits, num_candidates, chunked=logits.is_cuda)
+    values = largest.values
     tempered = temperatures.clamp_min(1e-5).unsqueeze(1)
     floors = torch.full((rows,), float("-inf"), device=logits.device)
     if top_k is not None:
@@ -51,7 +102,7 @@ def logit_floors(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
             in_top_k = torch.arange(num_candidates, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
             scaled = (values / tempered).masked_fill(~in_top_k, float("-inf"))
             # tokens tied with the k-th but past it in topk's order are kept by top-k: their mass counts
-            tied_beyond = ((logits >= kth.unsqueeze(1).to(logits.dtype)).sum(dim=-1) - k).clamp_min(0)
+            tied_beyond = (largest.count_at_least(kth) - k).clamp_min(0)
             kth_weight = ((kth - values[:, 0]) / tempered.squeeze(1)).exp()
             bounded = (top_k > 0) & (top_p < 1.0)
             floors = torch.where(bounded, torch.maximum(floors, _top_p_floor(values, scaled, top_p,
