@@ -21,17 +21,24 @@ CHUNK = 128  # logits per chunk when the k largest are looked for chunk-wise
 
 
 @triton.jit
+def _chunk_maxima(logits_ptr, maxima_ptr, num_chunks, row_stride, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+    """maxima[row, c] = the largest logit of chunk c of the row (GROUP chunks a program)."""
+    row = tl.program_id(0)
+    chunks = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    index = chunks[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=chunks[:, None] < num_chunks,
+                other=float("-inf"))
+    tl.store(maxima_ptr + row * num_chunks + chunks, tl.max(x, 1), mask=chunks < num_chunks)
+
+
+@triton.jit
 def _recount(logits_ptr, floors_ptr, recount_ptr, counts_ptr, vocab, row_stride, BLOCK: tl.constexpr):
-    """counts[row] = how many logits of the row are at least floors[row], for the rows marked in recount only."""
+    """counts[row] += how many logits of this block of the row are at least floors[row], for marked rows only."""
     row = tl.program_id(0)
     if tl.load(recount_ptr + row) != 0:
-        floor = tl.load(floors_ptr + row)
-        total = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, vocab, BLOCK):
-            index = start + tl.arange(0, BLOCK)
-            x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=index < vocab, other=float("-inf"))
-            total += (x.to(tl.float32) >= floor).to(tl.int32)
-        tl.store(counts_ptr + row, tl.sum(total, 0))
+        index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + index, mask=index < vocab, other=float("-inf"))
+        tl.atomic_add(counts_ptr + row, tl.sum((x.to(tl.float32) >= tl.load(floors_ptr + row)).to(tl.int32), 0))
 
 
 class LargestLogits:
@@ -44,8 +51,12 @@ class LargestLogits:
         self.maxima = None
         self.pool = logits  # where every logit at or above the k-th largest is
         if chunked and k > 1 and vocab % CHUNK == 0 and vocab // CHUNK > k:
-            chunks = logits.view(rows, vocab // CHUNK, CHUNK)
-            self.maxima = chunks.amax(dim=-1)
+            num_chunks = vocab // CHUNK
+            chunks = logits.view(rows, num_chunks, CHUNK)
+            self.maxima = torch.empty(rows, num_chunks, dtype=logits.dtype, device=logits.device)
+            group = 16
+            _chunk_maxima[(rows, triton.cdiv(num_chunks, group))](logits, self.maxima, num_chunks, logits.stride(0),
+                                                                   CHUNK=CHUNK, GROUP=group)
             # every one of the k largest logits is in a chunk whose maximum is among the k largest maxima
             best = self.maxima.topk(k, dim=-1).indices
             self.pool = chunks.gather(1, best.unsqueeze(2).expand(rows, k, CHUNK)).view(rows, k * CHUNK)
@@ -58,11 +69,13 @@ class LargestLogits:
             return counts
         # a chunk left out of the pool holds such a logit only when its maximum ties with the pool's smallest
         # maximum: then that row is counted over its whole vocabulary (rare: exact ties of bf16 maxima)
-        recount = ((self.maxima >= floors.unsqueeze(1).to(self.maxima.dtype)).sum(dim=-1) > self.k).to(torch.int32)
+        recount = (self.maxima >= floors.unsqueeze(1).to(self.maxima.dtype)).sum(dim=-1) > self.k
         rows, vocab = self.logits.shape
-        _recount[(rows,)](self.logits, floors.contiguous(), recount, counts, vocab, self.logits.stride(0),
-                          BLOCK=4096)
-        return counts
+        whole = torch.zeros_like(counts)
+        block = 4096
+        _recount[(rows, triton.cdiv(vocab, block))](self.logits, floors.contiguous(), recount.to(torch.int32), whole,
+                                                    vocab, self.logits.stride(0), BLOCK=block)
+        return torch.where(recount, whole, counts)
 
 
 def _top_p_floor(values: torch.Tensor, scaled: torch.Tensor, top_p: torch.Tensor,
