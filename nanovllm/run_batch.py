@@ -26,13 +26,9 @@ from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
 from nanovllm.data_parallel import BACKENDS, DataParallel, ReplicasLost
+from nanovllm.engine_flags import add_engine_flags, engine_options
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-
-ENGINE_FLAGS: dict[str, type] = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-                                 "gpu_memory_utilization": float, "tensor_parallel_size": int,
-                                 "kvcache_block_size": int, "num_kvcache_blocks": int, "attention_backend": str,
-                                 "max_logprobs": int, "kv_cache_dtype": str, "quantization": str}
 
 
 @dataclass
@@ -60,25 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run-batch", help="run an OpenAI batch-format JSONL file of requests",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("-i", "--input-file", required=True, help="requests, one JSON object per line")
-    run.add_argument("-o", "--output-file", required=True, help="results; appended to, and resumed from, if present")
-    run.add_argument("--model", required=True, help="local checkpoint directory")
-    # engine options default to SUPPRESS so only the flags given reach LLM() and the engine's defaults hold
-    for name, kind in ENGINE_FLAGS.items():
-        run.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS)
-    run.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS)
-    run.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-    run.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="engine replicas, each on its own --tensor-parallel-size GPUs (CPU: processes)")
+    run.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl",
+                     help="requests in OpenAI's batch format, one JSON object per line")
+    run.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
+                     help="results, one line per request; appended to, and resumed from, if it exists; must not be "
+                          "the input file")
+    run.add_argument("--model", required=True, metavar="PATH", help="local checkpoint directory (Hugging Face layout)")
+    add_engine_flags(run)
+    run.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                     help="engine replicas, each on its own --tensor-parallel-size GPUs (on CPU: processes) "
+                          "(default: 1)")
     run.add_argument("--data-parallel-backend", "-dpb", choices=BACKENDS, default="mp",
-                     help="mp: processes of this host; ray: Ray actors on the cluster RAY_ADDRESS names")
+                     help="mp: processes of this host; ray: Ray actors on the cluster RAY_ADDRESS names "
+                          "(default: mp)")
     return parser
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options the command line set; the others are absent (SUPPRESS), so the engine's defaults hold."""
-    return {name: getattr(args, name) for name in [*ENGINE_FLAGS, "enforce_eager", "async_scheduling"]
-            if hasattr(args, name)}
 
 
 class RequestSource:

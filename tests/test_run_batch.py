@@ -1,4 +1,5 @@
 """`nanovllm run-batch`: OpenAI batch files through the engine, one record per request, resumable after a kill."""
+import argparse
 import json
 import os
 import signal
@@ -257,6 +258,19 @@ def test_an_engine_that_cannot_start_creates_or_changes_no_output(tiny_model, tm
     assert f"{out}: dropped its last line, line 2 ({len(torn)} bytes)" in err
     assert "1 succeeded, 0 failed, 1 skipped" in err
     assert sorted(by_id(out)) == ["a", "b"]
+
+
+def test_every_flag_has_a_help_text_that_says_its_default():
+    parser = run_batch.build_parser()
+    [run] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0].choices.values()
+    flags = {a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]: a.help
+             for a in run._actions if a.option_strings and a.dest != "help"}
+    assert len(flags) == 18  # -i, -o, --model, the 13 engine flags, and the data-parallel size and backend
+    assert all(text and len(text) > 20 for text in flags.values()), [f for f, text in flags.items() if not text]
+    optional = [flag for flag in flags if flag not in ("--input-file", "--output-file", "--model")]
+    assert all("default" in flags[flag] for flag in optional), [f for f in optional if "default" not in flags[f]]
+    # the engine's defaults, read from Config
+    assert "(default: 512)" in flags["--max-num-seqs"] and "(default: 4096," in flags["--max-model-len"]
 
 
 def test_sigkill_mid_run_then_resume_answers_each_request_once(tiny_model, tmp_path):
