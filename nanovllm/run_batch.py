@@ -20,12 +20,11 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from tqdm import tqdm
-
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
 from nanovllm.data_parallel import BACKENDS, DataParallel, ReplicasLost
+from nanovllm.engine.progress import ProgressBar, TokenCounter
 from nanovllm.engine_flags import add_engine_flags, engine_options
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -206,12 +205,14 @@ def _serial(args: argparse.Namespace) -> bool:
 
 def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, done: Done, todo: int,
               stats: Stats) -> None:
-    with tqdm(total=todo, desc="run-batch", unit="req", dynamic_ncols=True) as bar:
+    # the engine counts its tokens at every step, so the rates move before the first request finishes; replicas
+    # of data parallelism count in their own processes, so there the driver counts finished requests instead
+    counter = getattr(llm, "token_counter", None)
+    per_request = counter is None
+    counter = counter or TokenCounter()
+    with ProgressBar(counter, todo, "run-batch", unit="req") as bar:
         def finish(record: dict) -> None:
             out.write(record)
-            elapsed = max(bar.format_dict["elapsed"], 1e-9)
-            bar.set_postfix({"prompt": f"{stats.prompt_tokens / elapsed:.0f}tok/s",
-                             "gen": f"{stats.generated_tokens / elapsed:.0f}tok/s"}, refresh=False)
             bar.update(1)
 
         def line_error(record: dict) -> None:
@@ -225,8 +226,12 @@ def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, do
                 line_error(batch_io.error_record(pending.custom_id, pending.line, "invalid_request", str(result)))
                 continue
             stats.succeeded += 1
-            stats.prompt_tokens += len(result.prompt_token_ids)
-            stats.generated_tokens += sum(len(c.token_ids) for c in result.outputs)
+            prompt_tokens = len(result.prompt_token_ids)
+            generated_tokens = sum(len(c.token_ids) for c in result.outputs)
+            stats.prompt_tokens += prompt_tokens
+            stats.generated_tokens += generated_tokens
+            if per_request:
+                counter.add(prompt_tokens, generated_tokens)
             body = batch_io.response_body(result, pending.chat, args.model, pending.top_logprobs)
             finish(batch_io.success_record(pending.custom_id, body))
 
