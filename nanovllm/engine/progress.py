@@ -48,14 +48,14 @@ class ProgressBar:
     def __init__(self, counter: TokenCounter, total: int | None, desc: str, unit: str = "it",
                  disable: bool = False, **tqdm_options) -> None:
         self.counter = counter
-        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=disable, **tqdm_options)
         self._start = time.perf_counter()
         self._base = counter.prefilled, counter.generated
         self._drawn = 0.0  # when the postfix was last redrawn
+        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=disable,
+                        postfix=self._speed(self._start), **tqdm_options)
         self._listening = not disable  # a hidden bar costs the engine nothing
         if self._listening:
             counter.listeners.append(self.tick)
-            self.bar.set_postfix_str(self._speed(self._start), refresh=False)
 
     def tick(self) -> None:
         """Redraw the rates if REFRESH_S has passed since the last redraw: one clock read per step otherwise."""
