@@ -19,8 +19,7 @@ from random import Random, randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.fp8_checkpoint import FP8_SUFFIX
-from nanovllm.utils.random_checkpoint import SHAPES, default_checkpoint
+from nanovllm.utils.random_checkpoint import SHAPE_NAMES, default_checkpoint
 
 # prompt lengths uniform in [min_input_len, max_input_len], output lengths likewise
 WORKLOADS: dict[str, dict] = {
@@ -39,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="checkpoint directory (default: random weights of --shape)")
     parser.add_argument("--shape", default="Qwen3-0.6B",
-                        choices=sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES),
+                        choices=SHAPE_NAMES,
                         help="shape of the random checkpoint when --model is unset (-FP8: the published FP8 layout)")
     parser.add_argument("--num-seqs", type=int, default=None)
     parser.add_argument("--min-input-len", type=int, default=None)

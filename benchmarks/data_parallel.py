@@ -1,7 +1,7 @@
 """Data parallelism through `run-batch`: the chat workload at DP=1, DP=2 over processes and DP=2 over Ray (GPU),
 and the driver's own ceiling: requests/s it reads, dispatches and writes with replicas that answer instantly.
 
-    python benchmarks/data_parallel.py gpu [--model PATH]        # on a 2-GPU host (nvidia-h200-x2)
+    python benchmarks/data_parallel.py gpu [--model PATH]        # on a host with 2 GPUs
     python benchmarks/data_parallel.py driver --replicas 2 8     # anywhere (CPU is fine)
 
 The chat workload: 4,096 completions of random token ids, prompts of 20-200 tokens, outputs of 20-400 (uniform,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 weights end to end, on the device from the repository root:
+# FP8 weights end to end, on a GPU machine, from the repository root:
 #   bash benchmarks/fp8_weights.sh [shape ...]        # default: Qwen3-8B
 #   WORKLOADS=default MODES="bf16 fp8-ckpt" RUNS=3 bash benchmarks/fp8_weights.sh Qwen3-8B   # a part of it
 # For each shape: bench.py warm throughput with bf16 weights, FP8 weights quantized at load (per channel), a

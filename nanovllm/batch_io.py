@@ -2,10 +2,10 @@
 
 Resume guarantee: a record counts as written only once its whole line, newline included, is in the output file.
 Each record is written with one write() of the line plus its newline, so a kill (even SIGKILL) can leave at most
-one torn line, the last; repair_output() truncates it away (and a last line that is not valid JSON) before
-anything is appended. A killed process loses nothing it wrote (the OS holds it); against an OS crash, records are
-fsync'ed with the first write a second or more after the last fsync, and when the run ends, so a crash loses at
-most the records since the last fsync, which the next run recomputes.
+one torn line, the last; read_output() finds it (or a last line that is not valid JSON) and drop_torn() truncates
+it away before anything is appended. A killed process loses nothing it wrote (the OS holds it); against an OS
+crash, records are fsync'ed with the first write a second or more after the last fsync, and when the run ends, so
+a crash loses at most the records since the last fsync, which the next run recomputes.
 """
 import json
 import os
@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import BinaryIO
 
 from nanovllm.id_set import IdSet, digest
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -97,38 +98,49 @@ def scan_input(path: str) -> InputScan:
 
 
 @dataclass
+class Torn:
+    """An output's last line that an interrupted write left behind: no newline, or not a JSON record."""
+
+    line: int  # 1-based
+    offset: int  # where it starts: the file is truncated to this length before anything is appended
+    size: int  # bytes
+
+
+@dataclass
 class Done:
     """What an earlier run already answered: custom_ids, and the line numbers of records that have none."""
 
     ids: IdSet = field(default_factory=IdSet)
     lines: set[int] = field(default_factory=set)
+    torn: Torn | None = None  # a torn last line, still in the file until drop_torn() removes it
 
     def has(self, custom_id: str | None, line: int) -> bool:
         return custom_id in self.ids if custom_id is not None else line in self.lines
 
 
-def repair_output(path: str) -> Done:
-    """Read what an earlier run wrote to `path` and truncate a torn last line. A missing file is an empty one.
+def read_output(path: str) -> Done:
+    """What an earlier run wrote to `path`, read without changing it; a missing file is an empty one.
 
     A last line without its newline is torn (a record's newline is written with it, so no newline means the
-    write did not finish), even where its text happens to be valid JSON. An invalid line elsewhere cannot come
-    from a kill, so it is a ValueError rather than data silently thrown away."""
+    write did not finish), even where its text happens to be valid JSON; so is a last line that is not a JSON
+    record. drop_torn() removes it once work starts. An invalid line elsewhere cannot come from a kill, so it is
+    a ValueError rather than data silently thrown away."""
     done = Done()
     if not os.path.exists(path):
         return done
     good_end = 0  # the offset just past the last complete, valid record
-    bad: int | None = None  # line number of an invalid line, allowed only at the end
-    with open(path, "r+b") as f:
+    bad: Torn | None = None  # an invalid line, allowed only at the end
+    with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if bad is not None:
-                raise ValueError(f"{path}: line {bad} is not a valid JSON record but more lines follow it; "
+                raise ValueError(f"{path}: line {bad.line} is not a valid JSON record but more lines follow it; "
                                  f"this is not a torn last write, so fix or remove that line by hand")
             try:
                 record = json.loads(raw) if raw.endswith(b"\n") else None
             except ValueError:  # JSONDecodeError or UnicodeDecodeError
                 record = None
             if raw.strip() and not isinstance(record, dict):
-                bad = number
+                bad = Torn(number, good_end, len(raw))
                 continue
             good_end += len(raw)
             if isinstance(record, dict):
@@ -136,21 +148,48 @@ def repair_output(path: str) -> Done:
                     done.ids.add(record["custom_id"])
                 elif isinstance(record.get("error"), dict) and isinstance(record["error"].get("line"), int):
                     done.lines.add(record["error"]["line"])
-        if bad is not None:
-            f.truncate(good_end)
+    done.torn = bad
     return done
 
 
+def drop_torn(path: str, torn: Torn) -> None:
+    """Truncate the torn last line that read_output() found, so the next record starts on a line of its own."""
+    with open(path, "r+b") as f:
+        f.truncate(torn.offset)
+
+
+def check_writable(path: str) -> None:
+    """Raise OSError, naming the problem, where records could not be appended to `path`; creates nothing, so a
+    run that cannot start leaves no output file behind."""
+    if os.path.exists(path):
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path!r} is a directory")
+        if not os.access(path, os.W_OK):
+            raise PermissionError(f"{path!r} is not writable")
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"the folder {folder!r} of {path!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot create {path!r}: the folder {folder!r} is not writable")
+
+
 class OutputWriter:
-    """Appends records to the output file, one write() per record; fsync when `fsync_every` s have passed."""
+    """Appends records to the output file, one write() per record; fsync when `fsync_every` s have passed.
+
+    The file is opened (created) at the first record, so a run that stops before it has any result, such as an
+    engine that fails to start, leaves no empty output file behind."""
 
     def __init__(self, path: str, fsync_every: float = 1.0) -> None:
-        # unbuffered: each record reaches the OS in one write call, never split across buffer flushes
-        self._file = open(path, "ab", buffering=0)
+        self.path = path
+        self._file: BinaryIO | None = None
         self._fsync_every = fsync_every
         self._last_sync = time.monotonic()
 
     def write(self, record: dict) -> None:
+        if self._file is None:
+            # unbuffered: each record reaches the OS in one write call, never split across buffer flushes
+            self._file = open(self.path, "ab", buffering=0)
         # allow_nan=False: a NaN or infinity would make a line that strict JSON readers reject
         line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
         try:
@@ -164,7 +203,7 @@ class OutputWriter:
             self._last_sync = time.monotonic()
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             os.fsync(self._file.fileno())
             self._file.close()
 

@@ -13,25 +13,21 @@ and error records both count as answered), so in the end each appears exactly on
 middle of a write: see nanovllm.batch_io for the guarantee.
 """
 import argparse
+import os
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from tqdm import tqdm
-
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
 from nanovllm.data_parallel import BACKENDS, DataParallel, ReplicasLost
+from nanovllm.engine.progress import ProgressBar, TokenCounter
+from nanovllm.engine_flags import add_engine_flags, engine_options
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-
-ENGINE_FLAGS: dict[str, type] = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-                                 "gpu_memory_utilization": float, "tensor_parallel_size": int,
-                                 "kvcache_block_size": int, "num_kvcache_blocks": int, "attention_backend": str,
-                                 "max_logprobs": int, "kv_cache_dtype": str, "quantization": str}
 
 
 @dataclass
@@ -59,25 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser("run-batch", help="run an OpenAI batch-format JSONL file of requests",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("-i", "--input-file", required=True, help="requests, one JSON object per line")
-    run.add_argument("-o", "--output-file", required=True, help="results; appended to, and resumed from, if present")
-    run.add_argument("--model", required=True, help="local checkpoint directory")
-    # engine options default to SUPPRESS so only the flags given reach LLM() and the engine's defaults hold
-    for name, kind in ENGINE_FLAGS.items():
-        run.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS)
-    run.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS)
-    run.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-    run.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="engine replicas, each on its own --tensor-parallel-size GPUs (CPU: processes)")
+    run.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl",
+                     help="requests in OpenAI's batch format, one JSON object per line")
+    run.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
+                     help="results, one line per request; appended to, and resumed from, if it exists; must not be "
+                          "the input file")
+    run.add_argument("--model", required=True, metavar="PATH", help="local checkpoint directory (Hugging Face layout)")
+    add_engine_flags(run)
+    run.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                     help="engine replicas, each on its own --tensor-parallel-size GPUs (on CPU: processes) "
+                          "(default: 1)")
     run.add_argument("--data-parallel-backend", "-dpb", choices=BACKENDS, default="mp",
-                     help="mp: processes of this host; ray: Ray actors on the cluster RAY_ADDRESS names")
+                     help="mp: processes of this host; ray: Ray actors on the cluster RAY_ADDRESS names "
+                          "(default: mp)")
     return parser
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options the command line set; the others are absent (SUPPRESS), so the engine's defaults hold."""
-    return {name: getattr(args, name) for name in [*ENGINE_FLAGS, "enforce_eager", "async_scheduling"]
-            if hasattr(args, name)}
 
 
 class RequestSource:
@@ -140,8 +131,14 @@ class RequestSource:
 
 def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = LLM) -> int:
     """The run-batch command. llm: an open engine to use instead of loading args.model (left open); engine_class:
-    what each replica runs (benchmarks/data_parallel.py passes one that answers instantly)."""
+    what each replica runs (benchmarks/data_parallel.py passes one that answers instantly).
+
+    Exit codes: 0 done, 1 failed (nothing of an output that could not start is created or changed), 2 a usage
+    error found before any work, 130 interrupted."""
     start = time.perf_counter()
+    if _same_file(args.input_file, args.output_file):  # results appended to the requests would read as done
+        return _fail(f"the output file {args.output_file!r} is the input file {args.input_file!r} (the same file "
+                     f"on disk); give -o a path of its own", code=2)
     try:
         scan = batch_io.scan_input(args.input_file)
     except OSError as error:
@@ -150,43 +147,55 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
         named = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates.items())
         return _fail(f"duplicate custom_id(s) in {args.input_file}: {named}")
     try:
-        done = batch_io.repair_output(args.output_file)
+        done = batch_io.read_output(args.output_file)
+        batch_io.check_writable(args.output_file)  # before the model: a bad path fails in a second
     except (OSError, ValueError) as error:
-        return _fail(f"cannot resume from the output: {error}")
+        return _fail(f"cannot resume from or write the output: {error}")
     stats = Stats(skipped=scan.ids.count_in(done.ids) + sum(line in done.lines for line in scan.id_less_lines))
     todo = scan.total - stats.skipped
     del scan  # only `done` is needed from here on
+    engine = None
     if todo:  # nothing left: no model to load
-        try:
-            out = batch_io.OutputWriter(args.output_file)  # before the model: a bad path fails in a second
-        except OSError as error:
-            return _fail(f"cannot write the output: {error}")
-        with out:
-            try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
-                engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
-                                 else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
-                                                   engine_class=engine_class, **engine_options(args)))
-            except (OSError, ValueError, TypeError, ImportError) as error:  # options, checkpoint, devices, ray
-                return _fail(f"cannot start the engine: {type(error).__name__}: {error}")
+        try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
+            engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
+                             else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
+                                               engine_class=engine_class, **engine_options(args)))
+        except (OSError, ValueError, TypeError, ImportError) as error:  # options, checkpoint, devices, ray
+            return _fail(f"cannot start the engine: {type(error).__name__}: {error}")
+    if done.torn is not None:  # only now that work can start: a run that cannot start leaves the file as it was
+        batch_io.drop_torn(args.output_file, done.torn)
+        torn = done.torn
+        _say(f"{args.output_file}: dropped its last line, line {torn.line} ({torn.size} bytes): a record an "
+             f"interrupted run did not finish writing")
+    if engine is not None:
+        with batch_io.OutputWriter(args.output_file) as out:  # created at the first record
             try:
                 _generate(args, engine, out, done, todo, stats)
             except KeyboardInterrupt:  # every finished result is on disk already
-                _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
-                      f"command again to resume")
-                return 130
+                return _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
+                             f"command again to resume", code=130)
             except ReplicasLost as error:  # as above: what was answered is on disk
                 return _fail(f"{error}; {stats.succeeded + stats.failed} of {todo} requests were answered; "
                              f"run the same command again to resume")
             finally:
                 if llm is None:
                     engine.exit()
-            if isinstance(engine, DataParallel):
-                stats.per_replica = engine.answered
+        if isinstance(engine, DataParallel):
+            stats.per_replica = engine.answered
     print(f"nanovllm run-batch: {stats.succeeded} succeeded, {stats.failed} failed, {stats.skipped} skipped "
           f"(already done); {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated tokens; "
           f"{time.perf_counter() - start:.1f} s" + (f"; per replica: {stats.per_replica}" if stats.per_replica else ""),
           file=sys.stderr)
     return 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file, however spelled: relative or absolute, through a symlink, or a hard link
+    (samefile compares device and inode). A path that does not exist yet is no existing file."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing (or unreadable): then they cannot be one existing file
+        return False
 
 
 def _serial(args: argparse.Namespace) -> bool:
@@ -196,12 +205,14 @@ def _serial(args: argparse.Namespace) -> bool:
 
 def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, done: Done, todo: int,
               stats: Stats) -> None:
-    with tqdm(total=todo, desc="run-batch", unit="req", dynamic_ncols=True) as bar:
+    # the engine counts its tokens at every step, so the rates move before the first request finishes; replicas
+    # of data parallelism count in their own processes, so there the driver counts finished requests instead
+    counter = getattr(llm, "token_counter", None)
+    per_request = counter is None
+    counter = counter or TokenCounter()
+    with ProgressBar(counter, todo, "run-batch", unit="req") as bar:
         def finish(record: dict) -> None:
             out.write(record)
-            elapsed = max(bar.format_dict["elapsed"], 1e-9)
-            bar.set_postfix({"prompt": f"{stats.prompt_tokens / elapsed:.0f}tok/s",
-                             "gen": f"{stats.generated_tokens / elapsed:.0f}tok/s"}, refresh=False)
             bar.update(1)
 
         def line_error(record: dict) -> None:
@@ -215,15 +226,23 @@ def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, do
                 line_error(batch_io.error_record(pending.custom_id, pending.line, "invalid_request", str(result)))
                 continue
             stats.succeeded += 1
-            stats.prompt_tokens += len(result.prompt_token_ids)
-            stats.generated_tokens += sum(len(c.token_ids) for c in result.outputs)
+            prompt_tokens = len(result.prompt_token_ids)
+            generated_tokens = sum(len(c.token_ids) for c in result.outputs)
+            stats.prompt_tokens += prompt_tokens
+            stats.generated_tokens += generated_tokens
+            if per_request:
+                counter.add(prompt_tokens, generated_tokens)
             body = batch_io.response_body(result, pending.chat, args.model, pending.top_logprobs)
             finish(batch_io.success_record(pending.custom_id, body))
 
 
-def _fail(message: str) -> int:
+def _say(message: str) -> None:
     print(f"nanovllm run-batch: {message}", file=sys.stderr)
-    return 1
+
+
+def _fail(message: str, code: int = 1) -> int:
+    _say(message)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

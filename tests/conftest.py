@@ -13,7 +13,7 @@ from nanovllm.utils.random_checkpoint import write_random_checkpoint  # noqa: E4
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU with flash-attn: run tests/run_gpu.sh on the device")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with flash-attn: tests/run_gpu.sh runs these on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one device call:
-#   source .device/setup.sh && bash tests/run_gpu.sh [bench args]
+# Everything that needs the GPU, in one script, from the repository root of a CUDA machine with flash-attn:
+#   bash tests/run_gpu.sh [bench args]
 # GPU tests, then bench.py (cold + warm) on each GPU attention backend, then the triton backend with an FP8 KV
 # cache on the default workload and bf16/FP8 on the long-context one, then a short summary table.
 # Logs go to $OUT (or /tmp) when set.

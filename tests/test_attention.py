@@ -92,7 +92,7 @@ def test_paged_prefill_with_cached_prefix_and_decode_match_dense():
 def _decode_case(device: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, page: int):
     """A decode batch over scattered pages: one full-width table, one short, one padding row (context 0)."""
     gen = torch.Generator().manual_seed(0)
-    # head_dim 128: the device's trimmed flash-attn build (the GPU reference) computes only that size
+    # head_dim 128: a size every flash-attn build (the GPU reference) computes, trimmed builds included
     head_dim, width, num_blocks = 128, 12, 60  # 12 pages: the long row spans several slices
     k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(device, dtype)

@@ -153,7 +153,7 @@ def test_kv_budget_too_small_is_a_clear_error(model_path):
         LLM(model_path, gpu_memory_utilization=0.01)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs (kind nvidia-h200-x2)")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
 def test_tensor_parallel_2_matches_transformers_and_tp1(graph_outputs, model_path, hf_model, backend):
     prompts, single = graph_outputs
     with LLM(model_path, tensor_parallel_size=2, attention_backend=backend, **ENGINE) as llm:

@@ -1,4 +1,5 @@
 """`nanovllm run-batch`: OpenAI batch files through the engine, one record per request, resumable after a kill."""
+import argparse
 import json
 import os
 import signal
@@ -197,22 +198,79 @@ def test_command_line_usage_errors_and_engine_options(tiny_model):
     assert run_batch.engine_options(args) == {}  # the engine's own defaults hold
 
 
-def test_repair_output_truncates_only_a_torn_last_line(tmp_path):
+def test_read_output_finds_a_torn_last_line_and_drop_torn_truncates_only_it(tmp_path):
     path = tmp_path / "out.jsonl"
     good = [batch_io.success_record("a", {}), batch_io.error_record(None, 7, "invalid_json", "bad")]
     complete = "".join(json.dumps(r) + "\n" for r in good)
     for torn in ['{"id": "batch_req_1", "custom_id": "b", "resp', json.dumps(batch_io.success_record("b", {})),
                  "not json at all\n"]:  # cut mid-record; whole but without its newline; complete but not JSON
         path.write_text(complete + torn)
-        done = batch_io.repair_output(str(path))
+        done = batch_io.read_output(str(path))
+        assert path.read_text() == complete + torn  # reading changes nothing
+        assert done.torn == batch_io.Torn(line=3, offset=len(complete), size=len(torn))
+        batch_io.drop_torn(str(path), done.torn)
         assert path.read_text() == complete
         assert "a" in done.ids and len(done.ids) == 1 and done.lines == {7}
         assert done.has("a", 1) and done.has(None, 7) and not done.has("b", 2)
+    assert batch_io.read_output(str(path)).torn is None
     path.write_text(complete + "garbage\n" + complete)  # not what a kill leaves: refuse rather than drop data
     with pytest.raises(ValueError, match="line 3"):
-        batch_io.repair_output(str(path))
-    missing = batch_io.repair_output(str(tmp_path / "missing.jsonl"))
-    assert len(missing.ids) == 0 and not missing.lines
+        batch_io.read_output(str(path))
+    missing = batch_io.read_output(str(tmp_path / "missing.jsonl"))
+    assert len(missing.ids) == 0 and not missing.lines and missing.torn is None
+
+
+def test_an_output_that_is_the_input_is_refused_however_spelled(tiny_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    inp = write_lines(tmp_path / "in.jsonl", [request("a", {"prompt": "x"})])
+    before = (tmp_path / "in.jsonl").read_bytes()
+    os.symlink("in.jsonl", tmp_path / "link.jsonl")
+    os.link("in.jsonl", tmp_path / "hard.jsonl")
+    for output in ("in.jsonl", "./in.jsonl", inp, "link.jsonl", "hard.jsonl"):
+        code = run_batch.main(["run-batch", "-i", "in.jsonl", "-o", output, "--model", tiny_model])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert f"the output file {output!r} is the input file 'in.jsonl'" in err
+        assert "skipped" not in err  # refused before any work, not "0 succeeded, 1 skipped"
+    assert (tmp_path / "in.jsonl").read_bytes() == before
+
+
+def test_an_engine_that_cannot_start_creates_or_changes_no_output(tiny_model, tmp_path, capsys):
+    inp = write_lines(tmp_path / "in.jsonl", [request("a", {"prompt": [1, 2, 3], "max_tokens": 2}),
+                                              request("b", {"prompt": [4, 5, 6], "max_tokens": 2})])
+    out = tmp_path / "out.jsonl"
+    for engine in (["--model", str(tmp_path / "no-such-model")], ["--model", tiny_model, "--max-num-seqs", "0"]):
+        assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), *engine]) == 1
+        assert "cannot start the engine" in capsys.readouterr().err
+        assert not out.exists()
+    missing_folder = tmp_path / "no-such-folder" / "out.jsonl"
+    assert run_batch.main(["run-batch", "-i", inp, "-o", str(missing_folder), "--model", tiny_model]) == 1
+    assert "does not exist" in capsys.readouterr().err and not missing_folder.parent.exists()
+    # a resumable output with a torn last line: untouched by a run that cannot start, repaired (and said so) by
+    # one that can
+    torn = b'{"id": "batch_req_torn", "custom_id": "b", "resp'
+    out.write_bytes(json.dumps(batch_io.success_record("a", {})).encode() + b"\n" + torn)
+    before = out.read_bytes()
+    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", str(tmp_path / "no-such-model")]) == 1
+    assert out.read_bytes() == before and "dropped" not in capsys.readouterr().err
+    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    err = capsys.readouterr().err
+    assert f"{out}: dropped its last line, line 2 ({len(torn)} bytes)" in err
+    assert "1 succeeded, 0 failed, 1 skipped" in err
+    assert sorted(by_id(out)) == ["a", "b"]
+
+
+def test_every_flag_has_a_help_text_that_says_its_default():
+    parser = run_batch.build_parser()
+    [run] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0].choices.values()
+    flags = {a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]: a.help
+             for a in run._actions if a.option_strings and a.dest != "help"}
+    assert len(flags) == 18  # -i, -o, --model, the 13 engine flags, and the data-parallel size and backend
+    assert all(text and len(text) > 20 for text in flags.values()), [f for f, text in flags.items() if not text]
+    optional = [flag for flag in flags if flag not in ("--input-file", "--output-file", "--model")]
+    assert all("default" in flags[flag] for flag in optional), [f for f in optional if "default" not in flags[f]]
+    # the engine's defaults, read from Config
+    assert "(default: 512)" in flags["--max-num-seqs"] and "(default: 4096," in flags["--max-model-len"]
 
 
 def test_sigkill_mid_run_then_resume_answers_each_request_once(tiny_model, tmp_path):

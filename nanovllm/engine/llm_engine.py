@@ -5,12 +5,12 @@ import threading
 from collections.abc import Iterable, Iterator
 
 import torch
-from tqdm.auto import tqdm
 
 from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.progress import ProgressBar, TokenCounter
 from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts, samples_of
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
@@ -61,6 +61,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
         # launched, tokens not read back yet (async scheduling: the next step is launched before it completes)
         self.in_flight: Step | None = None
+        self.token_counter = TokenCounter()  # tokens prefilled and generated, counted per step (progress bars)
         self._lock = threading.Lock()  # one generate() at a time per engine
         self._lock_holder: int | None = None  # its thread: one that asks again would wait on itself forever
         self._exited = False
@@ -156,6 +157,7 @@ class LLMEngine:
                 self.workers.join(timeout=0)
                 self.exit()
                 raise RuntimeError("a tensor-parallel step failed on rank 0; the engine has exited") from error
+        self.token_counter.count(step)  # before advance, which appends the slots of the tokens it samples
         self.scheduler.advance(step)
         self._complete(previous)
         if self.config.async_scheduling:
@@ -254,7 +256,7 @@ class LLMEngine:
                                "its close() before the next call")
         with self._lock:
             self._lock_holder = threading.get_ident()
-            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            bar = ProgressBar(self.token_counter, total, "Processed prompts", disable=not use_tqdm)
             outstanding: dict[int, tuple[str | None, list[Sequence]]] = {}
             exhausted = False
             try:

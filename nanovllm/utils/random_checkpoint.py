@@ -1,5 +1,5 @@
-"""Write checkpoints with random weights in real shapes (Qwen3, Qwen3-MoE, Qwen2.5, Llama 3.x), since no model
-hub is reachable.
+"""Write checkpoints with random weights in real shapes (Qwen3, Qwen3-MoE, Qwen2.5, Llama 3.x), so the engine
+runs, and is tested and benchmarked, without a model hub.
 
 The result (config.json, generation_config.json, safetensors, tokenizer files) loads in this package and in
 transformers' AutoModelForCausalLM / AutoTokenizer. Speed does not depend on weight values, so benchmarks on these
@@ -9,6 +9,9 @@ as a trained, load-balanced one roughly does).
 import argparse
 import json
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from safetensors.torch import save_file
@@ -64,6 +67,8 @@ SHAPES: dict[str, dict] = {
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                          tie_word_embeddings=False),
 }
+# every name --shape takes: the shapes, and each in the published FP8 layout (Qwen3-8B-FP8)
+SHAPE_NAMES = sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -204,33 +209,57 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
 def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = None, seed: int = 0,
                             fp8: bool = False, **config_overrides) -> str:
     """Write a random-weight checkpoint of `shape` to `path` (created if needed) and return the path.
-    config.json is written last: its presence means the checkpoint is complete.
+    config.json is written last: its presence means the checkpoint is complete. If writing fails, a folder this
+    call created is removed again.
 
     fp8=True, or a shape name ending in -FP8 (Qwen3-8B-FP8), writes the same weights in the published FP8 layout
     (nanovllm/utils/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv."""
-    os.makedirs(path, exist_ok=True)
     shape, fp8_shape = split_fp8_shape(shape)
-    config = model_config(shape, **config_overrides)
-    # tiny models get a wider spread, so greedy tokens are separated by clear logit margins
-    std = std if std is not None else (0.1 if shape == "tiny" else 0.02)
-    weights = random_weights(config, std, seed)
-    if fp8 or fp8_shape:
-        weights = to_fp8_checkpoint(weights)
-        config["quantization_config"] = fp8_quantization_config()
-    save_sharded(weights, path)
-    eos = [config["eos_token_id"], config["bos_token_id"]]
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
-    write_tokenizer(path, config["vocab_size"])
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    config = model_config(shape, **config_overrides)  # an unknown shape fails here, before anything is created
+    with _removed_on_failure(path):
+        # tiny models get a wider spread, so greedy tokens are separated by clear logit margins
+        std = std if std is not None else (0.1 if shape == "tiny" else 0.02)
+        weights = random_weights(config, std, seed)
+        if fp8 or fp8_shape:
+            weights = to_fp8_checkpoint(weights)
+            config["quantization_config"] = fp8_quantization_config()
+        save_sharded(weights, path)
+        eos = [config["eos_token_id"], config["bos_token_id"]]
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
+        write_tokenizer(path, config["vocab_size"])
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     return path
 
 
+@contextmanager
+def _removed_on_failure(path: str) -> Iterator[None]:
+    """Create `path` and its missing parents; if the block fails (Ctrl-C too), remove the ones it created, so a
+    failed write leaves no half-written checkpoint or empty cache folder behind."""
+    created = []
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        created.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if created:
+            shutil.rmtree(created[-1], ignore_errors=True)  # the outermost folder this call created
+        raise
+
+
+def cache_root() -> str:
+    """Where default_checkpoint writes: $NANOVLLM_CACHE, else ~/.cache/nanovllm."""
+    return os.environ.get("NANOVLLM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "nanovllm")
+
+
 def default_checkpoint(shape: str) -> str:
-    """A random-weight checkpoint of `shape` in the user's cache, written on first use."""
-    root = os.environ.get("NANOVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanovllm"))
-    path = os.path.join(root, f"{shape}-random")
+    """A random-weight checkpoint of `shape` in the user's cache (cache_root()), written on first use."""
+    model_config(split_fp8_shape(shape)[0])  # an unknown shape is refused before anything is printed or created
+    path = os.path.join(cache_root(), f"{shape}-random")
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"writing a {shape}-shaped checkpoint with RANDOM weights to {path} (no model hub is used)")
         write_random_checkpoint(path, shape)
@@ -238,11 +267,13 @@ def default_checkpoint(shape: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("path")
-    parser.add_argument("--shape", default="Qwen3-0.6B",
-                        choices=sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES))
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", help="folder to write the checkpoint to (created if needed)")
+    parser.add_argument("--shape", default="Qwen3-0.6B", choices=SHAPE_NAMES, metavar="SHAPE",
+                        help=f"the model's shape, one of: {', '.join(SHAPE_NAMES)}; tiny is a 2-layer model of "
+                             f"about 2 MB for tests and CPU runs; -FP8: the published FP8 layout (default: "
+                             f"Qwen3-0.6B, about 1.2 GB)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     parser.add_argument("--fp8", action="store_true", help="the published FP8 layout (as a -FP8 shape name does)")
     args = parser.parse_args()
     write_random_checkpoint(args.path, args.shape, seed=args.seed, fp8=args.fp8)
