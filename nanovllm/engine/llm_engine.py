@@ -11,7 +11,8 @@ from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts, samples_of
+from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts
+from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.step import Step
@@ -59,6 +60,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.requests = RequestBuilder(config, self.tokenizer, self.model_runner.num_kvcache_blocks)
         # launched, tokens not read back yet (async scheduling: the next step is launched before it completes)
         self.in_flight: Step | None = None
         self._lock = threading.Lock()  # one generate() at a time per engine
@@ -88,44 +90,6 @@ class LLMEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling defaults the checkpoint's generation_config.json recommends (as vLLM's), else vLLM's."""
         return SamplingParams.from_generation_config(self.config.model)
-
-    # --- requests ----------------------------------------------------------------------------------------
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the fields that index this model's vocabulary."""
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids holds {bad[0]}, outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        limit = min(self.config.max_logprobs, self.vocab_size)
-        if params.logprobs is not None and params.logprobs > limit:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {limit}: the engine option "
-                             f"max_logprobs={self.config.max_logprobs} and the vocabulary size {self.vocab_size}")
-
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Tokenize and validate one request; raises ValueError before anything is scheduled."""
-        self.check_params(params)
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError(f"empty prompt {prompt!r}: at least one token is needed")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens is not shorter than max_model_len="
-                             f"{self.config.max_model_len}, so no token could be generated")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
-        num_blocks = self.scheduler.block_manager.num_blocks
-        if seq.num_blocks > num_blocks:
-            raise ValueError(f"prompt of {len(token_ids)} tokens needs {seq.num_blocks} KV blocks but the cache "
-                             f"holds only {num_blocks} blocks of {self.config.kvcache_block_size} tokens")
-        return seq
-
-    def make_samples(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
-        """The params.n requests of one prompt; the others fork the first one's prompt KV (see Scheduler)."""
-        first, *others = [self.make_sequence(prompt, sample) for sample in samples_of(params)]
-        for seq in others:
-            seq.prompt_owner = first
-        return [first, *others]
 
     # --- steps -------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
@@ -191,7 +155,7 @@ class LLMEngine:
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
         numbered = enumerate(zip(parsed, params))
-        requests = [(i, text, self.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
+        requests = [(i, text, self.requests.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
         outputs = dict(self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm))
         return [outputs[i] for i in range(len(requests))]
 
@@ -240,7 +204,7 @@ class LLMEngine:
                 text, prompt = parse_prompt(index, prompt)
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{index}] is a {type(p).__name__}, not a SamplingParams")
-                yield index, text, self.make_samples(prompt, p)
+                yield index, text, self.requests.make_samples(prompt, p)
             except (ValueError, TypeError) as error:
                 if not yield_errors:
                     raise
