@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: keep generating past end-of-sequence tokens (for benchmarks).
     logprobs: None, or k: return the sampled token's log-probability and the k most likely at each step
         (k at most the engine's max_logprobs).
+    prompt_logprobs: None, or k: return, for every prompt token after the first, its log-probability given the
+        tokens before it and the k most likely tokens there (RequestOutput.prompt_logprobs; k at most
+        max_logprobs). Such a request computes its whole prompt: it takes no prefix-cache hits.
     skip_special_tokens: leave special tokens out of the output text.
     include_stop_str_in_output: keep the stop string at the end of the output text.
     """
@@ -45,6 +48,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
@@ -94,6 +98,8 @@ class SamplingParams:
                "non-negative integers below 2**63")
         _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
                "None or an integer >= 0")
+        _check("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None
+               or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "None or an integer >= 0")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
 

@@ -11,6 +11,7 @@ from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.prompt_logprobs import prompt_rows
 from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts
 from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
@@ -104,7 +105,7 @@ class LLMEngine:
                 raise RuntimeError(f"nothing can be scheduled: {reason}")  # never spin
             self._complete(self.in_flight)
             return seqs, 0
-        step = Step.of(seqs, is_prefill, self.scheduler.block_manager.take_copies())
+        step = Step.of(seqs, is_prefill, self.scheduler.block_manager.take_copies(), prompt_rows(seqs, is_prefill))
         previous, self.in_flight = self.in_flight, None
         if self.workers is None:
             self.model_runner.launch(step, previous)
@@ -134,6 +135,8 @@ class LLMEngine:
             return
         if step is self.in_flight:
             self.in_flight = None
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.attach()
         for seq, index in self.scheduler.postprocess(step, step.result()):
             if (stop := self.detokenizer.stop_string_at(seq, index)) is not None:
                 self.scheduler.stop(seq, index, reason=stop)

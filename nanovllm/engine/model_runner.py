@@ -9,6 +9,7 @@ from nanovllm.attention.kv_quant import kv_cache_dtype
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
+from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
@@ -184,6 +185,8 @@ class ModelRunner:
             else:
                 hidden_states = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden_states)
+            if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
+                step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
             if self.rank == 0:
                 output = self.sampler(logits, sampling)
                 token_ids, logprobs = output.token_ids, output.logprobs

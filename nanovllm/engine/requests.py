@@ -26,9 +26,11 @@ class RequestBuilder:
             raise ValueError(f"SamplingParams.stop_token_ids holds {bad[0]}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
         limit = min(self.config.max_logprobs, self.vocab_size)
-        if params.logprobs is not None and params.logprobs > limit:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {limit}: the engine option "
-                             f"max_logprobs={self.config.max_logprobs} and the vocabulary size {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > limit:
+                raise ValueError(f"SamplingParams.{name}={k} exceeds {limit}: the engine option "
+                                 f"max_logprobs={self.config.max_logprobs} and the vocabulary size {self.vocab_size}")
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Tokenize and validate one request; raises ValueError before anything is scheduled."""
