@@ -6,7 +6,7 @@ from nanovllm.sampling_params import SamplingParams
 class LLM(LLMEngine):
     """The public entry point: `LLM(path, **engine_options).generate(prompts, sampling_params)`.
 
-    Engine options are the fields of nanovllm.config.Config (max_num_seqs, max_model_len, ...);
+    Engine options are the fields of nanovllm.config.Config (max_num_seqs, max_model_len, dtype, seed, ...);
     an unknown option is a TypeError. Use it as a context manager to release workers and memory early.
     """
 

@@ -1,6 +1,8 @@
 """A vLLM user's first script runs unchanged: the engine options, SamplingParams fields, prompt types and LLM
 methods of vLLM that test_vllm_api.py does not cover, with the project's own errors for their misuse."""
+import json
 import re
+import shutil
 
 import pytest
 import torch
@@ -9,12 +11,80 @@ from test_e2e_transformers import random_prompts
 from test_vllm_api import record_steps
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.config import Config
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    with LLM(tiny_model, num_kvcache_blocks=32) as engine:
+    # vLLM's spellings of what this engine does anyway: the checkpoint's dtype, a seeded stream, no remote code
+    with LLM(tiny_model, dtype="auto", seed=0, trust_remote_code=True, num_kvcache_blocks=32) as engine:
         yield engine
+
+
+# --- engine options --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, expected", [
+    ("auto", torch.float32), ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float16", torch.float16),
+    ("half", torch.float16), ("float32", torch.float32), ("float", torch.float32), (torch.bfloat16, torch.bfloat16),
+])
+def test_dtype_names_as_vllm(tiny_model, value, expected):
+    assert Config(tiny_model, dtype=value).dtype == expected  # the tiny checkpoint is float32
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("dtype", "int8", r"dtype='int8' is not supported: choose 'auto' \(the checkpoint's dtype\), one of \["),
+    ("dtype", torch.int8, r"dtype=torch.int8 is not supported"),
+    ("seed", "0", r"seed must be None or an integer, got '0'"),
+    ("trust_remote_code", "yes", r"trust_remote_code must be True or False, got 'yes'"),
+])
+def test_bad_engine_option_values_are_named(tiny_model, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, **{option: value})
+
+
+def test_dtype_bfloat16_runs_the_model_in_bfloat16(tiny_model, hf_model, llm):
+    prompt = random_prompts([30], seed=90)[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    exact = prompt_logprob_values(llm.generate([prompt], params, use_tqdm=False)[0], prompt)
+    with LLM(tiny_model, dtype="bfloat16", num_kvcache_blocks=8) as bf16:
+        assert {p.dtype for p in bf16.model_runner.model.parameters()} == {torch.bfloat16}
+        assert bf16.model_runner.kv_layout.dtype == torch.bfloat16  # kv_cache_dtype "auto" follows it
+        rounded = prompt_logprob_values(bf16.generate([prompt], params, use_tqdm=False)[0], prompt)
+    reference = hf_prompt_logprobs(hf_model, prompt)
+    expected = torch.tensor([reference[i - 1, prompt[i]] for i in range(1, len(prompt))])
+    assert torch.allclose(exact, expected, atol=1e-4)
+    # bfloat16's 8-bit mantissa: close to float32's values, and visibly not them
+    assert torch.allclose(rounded, expected, atol=0.15) and not torch.allclose(rounded, expected, atol=1e-3)
+
+
+def test_engine_seed_repeats_a_script_and_n_samples_still_differ(tiny_model):
+    prompt = random_prompts([20], seed=91)[0]
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=8, ignore_eos=True)  # no per-request seed
+
+    def run(seed: int | None) -> list[tuple[int, ...]]:
+        with LLM(tiny_model, seed=seed, num_kvcache_blocks=8) as engine:
+            return [tuple(c.token_ids) for c in engine.generate([prompt], params, use_tqdm=False)[0].outputs]
+
+    first = run(0)
+    assert run(0) == first and len(set(first)) == 3
+    assert run(1) != first
+
+
+def test_remote_code_is_refused_by_name_only_for_an_architecture_we_lack(tiny_model, tmp_path):
+    for name, architecture in (("fancy", "FancyForCausalLM"), ("qwen3-with-auto-map", "Qwen3ForCausalLM")):
+        path = tmp_path / name
+        shutil.copytree(tiny_model, path)
+        config = json.loads((path / "config.json").read_text())
+        config.update(architectures=[architecture], auto_map={"AutoConfig": "configuration_fancy.FancyConfig",
+                                                              "AutoModelForCausalLM": "modeling_fancy.FancyModel"})
+        if architecture == "FancyForCausalLM":
+            config["model_type"] = "fancy"
+        (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"needs its own code \(auto_map .*configuration_fancy.* for "
+                                         r"architectures=\['FancyForCausalLM'\], which this engine does not implement "
+                                         r"and will not run, trust_remote_code or not; supported: \["):
+        LLM(str(tmp_path / "fancy"), trust_remote_code=True)
+    with LLM(str(tmp_path / "qwen3-with-auto-map"), trust_remote_code=True, num_kvcache_blocks=4) as engine:
+        assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
 
 
 # --- requests ---------------------------------------------------------------------------------------------------
@@ -106,3 +176,4 @@ def test_prompt_logprobs_under_tensor_parallelism(tiny_model, hf_model):
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
                               use_tqdm=False)[0]
     assert_prompt_logprobs_equal_transformers(hf_model, out, prompt, 2)
+

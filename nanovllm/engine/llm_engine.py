@@ -68,6 +68,10 @@ class LLMEngine:
         self._lock_holder: int | None = None  # its thread: one that asks again would wait on itself forever
         self._exited = False
         atexit.register(self.exit)
+        if config.seed is not None:
+            # the stream requests without their own seed draw from (the sampler's torch generators), seeded once
+            # the model is loaded and warmed up, so the same script gives the same tokens; n samples still differ
+            torch.manual_seed(config.seed)
 
     def exit(self) -> None:
         """Stop the workers, free the model and KV cache, and remove every shared-memory file. Idempotent."""

@@ -18,7 +18,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.device import available_cpu_memory, model_dtype
+from nanovllm.utils.device import available_cpu_memory
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -44,7 +44,7 @@ class ModelRunner:
         if self.use_cuda:
             torch.cuda.set_device(self.device)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
-        self.dtype = model_dtype(hf_config)
+        self.dtype = config.dtype  # the engine option, resolved by Config ("auto": the checkpoint's)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
