@@ -1,3 +1,5 @@
+from transformers import PreTrainedTokenizerBase
+
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -15,6 +17,10 @@ class LLM(LLMEngine):
 
     def __exit__(self, *exc_info) -> None:
         self.exit()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The checkpoint's tokenizer, which encodes string prompts (as vLLM's LLM.get_tokenizer)."""
+        return self.tokenizer
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,

@@ -19,7 +19,8 @@ class SamplingParams:
     min_p: drop tokens less likely than min_p times the most likely one (0: off).
         The filters apply in that order: temperature, top-k, top-p, min-p, each to what the last one left.
     seed: per-request seed; the same prompt and seed give the same tokens whatever else is in the batch.
-    max_tokens: the most tokens to generate (generation also stops at the engine's max_model_len).
+    max_tokens: the most tokens to generate (generation also stops at the engine's max_model_len); None: up to
+        max_model_len, that is max_model_len minus the prompt's length, as vLLM.
     min_tokens: end-of-sequence and stop tokens are suppressed until this many tokens are generated.
     stop: strings that end generation; the output text ends before the stop string (None: none).
     stop_token_ids: token ids that end generation, besides the model's end-of-sequence tokens.
@@ -42,7 +43,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | str | None = field(default_factory=list)
     stop_token_ids: list[int] | None = field(default_factory=list)
@@ -88,8 +89,11 @@ class SamplingParams:
         _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
         _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
         _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer")
-        _check("max_tokens", self.max_tokens, _integer(self.max_tokens) and self.max_tokens >= 1, ">= 1")
-        _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        unbounded = self.max_tokens is None  # up to max_model_len: resolved per request by the engine
+        _check("max_tokens", self.max_tokens, unbounded or (_integer(self.max_tokens) and self.max_tokens >= 1),
+               "None (up to max_model_len) or an integer >= 1")
+        most = 2**63 - 1 if unbounded else self.max_tokens
+        _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= most,
                f"[0, max_tokens={self.max_tokens}]")
         _check("stop", self.stop, isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                "a string, a list of non-empty strings, or None")

@@ -10,7 +10,7 @@ from hf_reference import assert_no_leaks
 from test_e2e_transformers import random_prompts
 from test_vllm_api import record_steps
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from nanovllm.config import Config
 
 
@@ -87,7 +87,17 @@ def test_remote_code_is_refused_by_name_only_for_an_architecture_we_lack(tiny_mo
         assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
 
 
-# --- requests ---------------------------------------------------------------------------------------------------
+# --- requests ----------------------------------------------------------------------------------------------------
+def test_max_tokens_none_generates_up_to_max_model_len(tiny_model):
+    prompt = random_prompts([40], seed=92)[0]
+    with LLM(tiny_model, max_model_len=48, num_kvcache_blocks=4) as engine:
+        out = engine.generate([prompt], SamplingParams(max_tokens=None, min_tokens=3, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 48 - 40 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"SamplingParams.max_tokens=0 is out of range: allowed None"):
+        SamplingParams(max_tokens=0)
+
+
 @pytest.mark.parametrize("field, value, allowed", [
     ("prompt_logprobs", -1, "None or an integer >= 0"),
 ])
@@ -95,6 +105,17 @@ def test_new_sampling_params_are_checked(field, value, allowed):
     message = f"SamplingParams.{field}={value!r} is out of range: allowed {allowed}"
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**{field: value})
+
+
+def test_get_tokenizer_and_vllm_prompt_types(llm):
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = tokenizer.encode("hello there")
+    by_tokens, by_text = llm.generate([TokensPrompt(prompt_token_ids=ids), TextPrompt(prompt="hello there")], params,
+                                      use_tqdm=False)
+    assert by_tokens.prompt_token_ids == by_text.prompt_token_ids == ids and by_text.prompt == "hello there"
+    assert by_tokens.outputs[0].token_ids == by_text.outputs[0].token_ids
 
 
 # --- prompt_logprobs ---------------------------------------------------------------------------------------------
@@ -176,4 +197,5 @@ def test_prompt_logprobs_under_tensor_parallelism(tiny_model, hf_model):
         out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
                               use_tqdm=False)[0]
     assert_prompt_logprobs_equal_transformers(hf_model, out, prompt, 2)
+
 

@@ -1,5 +1,5 @@
 """One prompt and its SamplingParams -> validated Sequences, before anything is scheduled."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -45,6 +45,8 @@ class RequestBuilder:
         if len(token_ids) >= max_model_len:
             raise ValueError(f"prompt of {len(token_ids)} tokens is not shorter than max_model_len="
                              f"{max_model_len}, so no token could be generated")
+        if params.max_tokens is None:  # vLLM's "up to the model length"
+            params = replace(params, max_tokens=max_model_len - len(token_ids))
         seq = Sequence(token_ids, params, self.config.kvcache_block_size)
         if seq.num_blocks > self.num_blocks:
             raise ValueError(f"prompt of {len(token_ids)} tokens needs {seq.num_blocks} KV blocks but the cache "
