@@ -30,6 +30,9 @@ class SamplingParams:
     prompt_logprobs: None, or k: return, for every prompt token after the first, its log-probability given the
         tokens before it and the k most likely tokens there (RequestOutput.prompt_logprobs; k at most
         max_logprobs). Such a request computes its whole prompt: it takes no prefix-cache hits.
+    bad_words: words never to generate, as vLLM: each word's tokens, with and without a leading space, are
+        banned as a sequence: its last token is masked when the tokens before it were just generated (a
+        one-token word always is). A string is one word.
     skip_special_tokens: leave special tokens out of the output text.
     include_stop_str_in_output: keep the stop string at the end of the output text.
     """
@@ -50,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] | str | None = field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
@@ -77,6 +81,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
+        if self.bad_words is None:
+            object.__setattr__(self, "bad_words", [])
+        elif isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", [self.bad_words])
         _check("n", self.n, _integer(self.n) and self.n >= 1, "a positive integer")
         _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]")
         _check("frequency_penalty", self.frequency_penalty, -2.0 <= _number(self.frequency_penalty) <= 2.0,
@@ -104,6 +112,10 @@ class SamplingParams:
                "None or an integer >= 0")
         _check("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None
                or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "None or an integer >= 0")
+        # vLLM strips a word's leading spaces before tokenizing it (with and without one): nothing may be left
+        _check("bad_words", self.bad_words, isinstance(self.bad_words, list)
+               and all(isinstance(w, str) and w.lstrip() for w in self.bad_words),
+               "a string, a list of strings with more than leading whitespace, or None")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
 

@@ -99,7 +99,8 @@ def test_max_tokens_none_generates_up_to_max_model_len(tiny_model):
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("prompt_logprobs", -1, "None or an integer >= 0"),
+    ("prompt_logprobs", -1, "None or an integer >= 0"), ("bad_words", [""], "a string, a list of strings"),
+    ("bad_words", ["  "], "a string, a list of strings"), ("bad_words", [3], "a string, a list of strings"),
 ])
 def test_new_sampling_params_are_checked(field, value, allowed):
     message = f"SamplingParams.{field}={value!r} is out of range: allowed {allowed}"
@@ -199,3 +200,49 @@ def test_prompt_logprobs_under_tensor_parallelism(tiny_model, hf_model):
     assert_prompt_logprobs_equal_transformers(hf_model, out, prompt, 2)
 
 
+# --- bad_words ---------------------------------------------------------------------------------------------------
+def vllm_bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: the word, and with a leading space when that is other tokens of the same count."""
+    ids = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        ids.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            ids.append(spaced)
+    return ids
+
+
+@torch.inference_mode()
+def greedy_with_bad_words(hf_model, prompt: list[int], steps: int, bad: list[list[int]]) -> list[int]:
+    """One greedy token at a time on transformers' logits, masking each word's last token after its prefix."""
+    output: list[int] = []
+    for _ in range(steps):
+        logits = hf_model(torch.tensor([prompt + output])).logits[0, -1].float()
+        for word in bad:
+            if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        output.append(int(logits.argmax()))
+    return output
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bad_words_equal_the_reference(tiny_model, hf_model, async_scheduling):
+    with LLM(tiny_model, num_kvcache_blocks=8, async_scheduling=async_scheduling) as engine:
+        tokenizer = engine.get_tokenizer()
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        prompts = random_prompts([20, 25], seed=96)
+        free = [o.outputs[0].token_ids for o in engine.generate(prompts, greedy, use_tqdm=False)]
+        text = [tokenizer.decode([t]) for t in free[0]]
+        # a one-token word the free run generates, and a two-token one: both tokens letters, spelt back the same
+        single = next(t for t in text[1:] if t.isalpha() and tokenizer.encode(t) == tokenizer.encode(t.lstrip()))
+        pair = next(text[j] + text[j + 1] for j in range(len(text) - 1)
+                    if (text[j] + text[j + 1]).isalpha() and not text[j].startswith(" ")
+                    and tokenizer.encode(text[j] + text[j + 1]) == free[0][j: j + 2] and text[j] != single)
+        for words in ([single], [pair], [pair, single]):
+            params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=words), greedy]
+            outs = engine.generate(prompts, params, use_tqdm=False)
+            expected = greedy_with_bad_words(hf_model, prompts[0], 12, vllm_bad_word_ids(tokenizer, words))
+            assert outs[0].outputs[0].token_ids == expected != free[0], words
+            assert outs[1].outputs[0].token_ids == free[1]  # the row beside it is untouched
+        assert_no_leaks(engine)

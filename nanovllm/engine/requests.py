@@ -6,6 +6,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.engine.prompts import samples_of
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.bad_words import bad_words_token_ids
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -51,6 +52,12 @@ class RequestBuilder:
         if seq.num_blocks > self.num_blocks:
             raise ValueError(f"prompt of {len(token_ids)} tokens needs {seq.num_blocks} KV blocks but the cache "
                              f"holds only {self.num_blocks} blocks of {self.config.kvcache_block_size} tokens")
+        if params.bad_words:
+            seq.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            outside = [t for word in seq.bad_words_token_ids for t in word if t >= self.vocab_size]
+            if outside:  # a tokenizer with added tokens past the model's vocabulary
+                raise ValueError(f"SamplingParams.bad_words {params.bad_words} tokenize to {outside[0]}, outside "
+                                 f"the vocabulary [0, {self.vocab_size})")
         return seq
 
     def make_samples(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
