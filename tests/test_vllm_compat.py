@@ -246,3 +246,43 @@ def test_bad_words_equal_the_reference(tiny_model, hf_model, async_scheduling):
             assert outs[0].outputs[0].token_ids == expected != free[0], words
             assert outs[1].outputs[0].token_ids == free[1]  # the row beside it is untouched
         assert_no_leaks(engine)
+
+
+# --- chat ---------------------------------------------------------------------------------------------------------
+def test_chat_options_as_vllm(llm):
+    tokenizer = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello th"}]
+    opened = llm.chat(conversation, greedy, use_tqdm=False, add_generation_prompt=False,
+                      continue_final_message=True)[0]
+    assert tokenizer.decode(opened.prompt_token_ids).endswith("<|im_start|>assistant\nhello th")
+    closed = llm.chat(conversation, greedy, use_tqdm=False, add_generation_prompt=False)[0]
+    assert tokenizer.decode(closed.prompt_token_ids).endswith("hello th<|im_end|>\n")
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant] {% endif %}"
+    custom = llm.chat(conversation, greedy, use_tqdm=False, chat_template=template)[0]
+    assert custom.prompt == "[user] hi\n[assistant] hello th\n[assistant] "
+    with pytest.raises(ValueError, match="continue_final_message=True continues the final message and "
+                                         "add_generation_prompt=True starts a new one"):
+        llm.chat(conversation, greedy, continue_final_message=True)
+
+
+@pytest.mark.parametrize("messages, error, message", [
+    ("hello", TypeError, r"messages must be a conversation \(a list of \{'role': ..., 'content': ...\} dicts\) or a "
+                         r"list of conversations, not str"),
+    (["hello"], TypeError, r"conversation 0 is a str, not a list of message dicts"),
+    ([{"role": "user", "content": "hi"}, "there"], TypeError, r"message 1 of conversation 0 is a str, not a dict"),
+    ([[{"role": "user", "content": "hi"}], [{"content": "no role"}]], ValueError,
+     r"message 0 of conversation 1 has no 'role': keys \['content'\]"),
+    ([{"role": "user"}], ValueError, r"message 0 of conversation 0 has no 'content': keys \['role'\]"),
+    ([{"text": "x"}], ValueError, r"message 0 of conversation 0 has no 'role' and no 'content'"),
+    ([[{"role": "user", "content": "hi"}], []], ValueError, r"conversation 1 holds no message"),
+    ([{"role": None, "content": "hi"}], TypeError, r"message 0 of conversation 0 has role None, not a string"),
+])
+def test_chat_misuse_is_our_error_before_any_work(llm, messages, error, message):
+    step_tokens, _ = record_steps(llm)
+    with pytest.raises(error, match=message):
+        llm.chat(messages, SamplingParams(max_tokens=2))
+    assert not step_tokens
+    del llm.step  # record_steps' spy
+    assert_no_leaks(llm)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
+from nanovllm.engine.chat import render
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.prompt_logprobs import prompt_rows
@@ -186,13 +187,12 @@ class LLMEngine:
         requests = self._validated(prompts, sampling_params, errors == "yield")
         return self._stream(requests, window or 2 * self.config.max_num_seqs, None, use_tqdm)
 
-    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text of one conversation: the tokenizer's chat template with the generation prompt."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.config.model} has no chat template: use generate() with "
-                             f"prompts formatted by hand")
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None, *,
+                    chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The prompt text of one conversation through the chat template (engine/chat.py)."""
+        return render(self.tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message,
+                      chat_template_kwargs, self.config.model)
 
     def _check_open(self) -> None:
         if self._exited:
