@@ -180,7 +180,8 @@ class ModelRunner:
             buffer = self.graphs.input_buffer if graph_size is not None else None
             input_ids, positions = self.inputs.decode(seqs, previous, graph_size or len(seqs), buffer)
         sampling = self.sampler.prepare(seqs, None if step.is_prefill else input_ids) if self.rank == 0 else None
-        bans = bad_words_mask(seqs, self.device) if self.rank == 0 else None  # None unless a request has bad_words
+        # None unless a request has bad_words (layers/bad_words.py); applied to the logits before the sampler
+        bans = bad_words_mask(seqs, None if step.is_prefill else input_ids, self.device) if self.rank == 0 else None
         try:
             if graph_size is not None:
                 hidden_states = self.graphs.replay(graph_size, len(seqs))
@@ -190,7 +191,7 @@ class ModelRunner:
             if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
             if bans is not None:
-                logits = bans.apply(logits, None if step.is_prefill else input_ids)
+                logits = bans.apply(logits)
             if self.rank == 0:
                 output = self.sampler(logits, sampling)
                 token_ids, logprobs = output.token_ids, output.logprobs

@@ -39,17 +39,20 @@ class BadWordsMask:
     rows: torch.Tensor
     token_ids: torch.Tensor
     after: torch.Tensor
+    fed_token_ids: torch.Tensor | None  # a decode step's input ids, on the device (None for a prefill)
 
-    def apply(self, logits: torch.Tensor, fed_token_ids: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the bans, as a new tensor (the caller's may still be reported as logprobs)."""
         banned = self.after < 0
-        if fed_token_ids is not None:  # decode: row i feeds fed_token_ids[i]; a prefill's tokens were all known
-            banned |= fed_token_ids[self.rows] == self.after
+        if self.fed_token_ids is not None:  # a prefill's tokens were all known on the host
+            banned |= self.fed_token_ids[self.rows] == self.after
         # added rather than assigned, so a pair listed twice (once banned, once not) is banned, without a sync
         penalty = torch.zeros(banned.shape, dtype=logits.dtype, device=logits.device).masked_fill(banned, -torch.inf)
-        return logits.index_put_((self.rows, self.token_ids), penalty, accumulate=True)
+        return logits.index_put((self.rows, self.token_ids), penalty, accumulate=True)
 
 
-def bad_words_mask(seqs: list[Sequence], device: torch.device) -> BadWordsMask | None:
+def bad_words_mask(seqs: list[Sequence], fed_token_ids: torch.Tensor | None,
+                   device: torch.device) -> BadWordsMask | None:
     """The bans of one step (rows in the order of seqs), or None when it has none (no request has bad words)."""
     if not any(seq.bad_words_token_ids for seq in seqs):  # every step asks: the common answer comes first
         return None
@@ -69,4 +72,4 @@ def bad_words_mask(seqs: list[Sequence], device: torch.device) -> BadWordsMask |
     if not pairs:
         return None
     rows, token_ids, after = to_device(np.array(pairs, dtype=np.int64).T.copy(), device)
-    return BadWordsMask(rows, token_ids, after)
+    return BadWordsMask(rows, token_ids, after, fed_token_ids)
