@@ -55,9 +55,24 @@ class PromptScores:
     token_ranks: torch.Tensor  # [rows]: 1 + how many tokens are more likely
     top_ids: torch.Tensor  # [rows, the largest k asked]
     top_logprobs: torch.Tensor
+    ready: torch.cuda.Event | None = None  # recorded after the copies to the host (GPU)
+
+    def copy_to_host(self) -> None:
+        """Queue the copies to (pinned) host memory behind the scoring, as Step.copy_to_host does for tokens: read
+        back with a plain .tolist() when the step completes, they would wait for the step launched after it too."""
+        if not self.token_logprobs.is_cuda:
+            return
+        for name in ("token_logprobs", "token_ranks", "top_ids", "top_logprobs"):
+            tensor = getattr(self, name)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            setattr(self, name, host.copy_(tensor, non_blocking=True))
+        self.ready = torch.cuda.Event()
+        self.ready.record()
 
     def attach(self) -> None:
         """Append each row's entry to its sequence's prompt_logprobs: the prompt token first, then the top k."""
+        if self.ready is not None:
+            self.ready.synchronize()
         token_logprobs, token_ranks = self.token_logprobs.tolist(), self.token_ranks.tolist()
         top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
         row = 0
@@ -93,4 +108,6 @@ def score_prompts(model: nn.Module, hidden_states: torch.Tensor, seqs: list[Sequ
         parts.append((token.squeeze(1), (logprobs > token).sum(dim=1) + 1, top.indices, top.values))
     if rank != 0:
         return None
-    return PromptScores(spans, *(torch.cat(column) for column in zip(*parts)))
+    scores = PromptScores(spans, *(torch.cat(column) for column in zip(*parts)))
+    scores.copy_to_host()
+    return scores
