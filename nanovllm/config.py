@@ -2,12 +2,14 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.attention import BACKEND_NAMES
 from nanovllm.attention.kv_quant import check_kv_cache_dtype
 from nanovllm.layers.rotary_embedding import rope_parameters
-from nanovllm.models import model_class
+from nanovllm.models import MODEL_REGISTRY, model_class
+from nanovllm.utils.device import check_dtype, model_dtype
 from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
 
 # architectures whose GPU acceptance test fails on the flash_attn backend (not the default; see docs/PERFORMANCE.md)
@@ -32,6 +34,11 @@ class Config:
     max_logprobs: int = 20  # the most logprobs a request may ask for, as vLLM's
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see attention/kv_quant.py
     quantization: str | None = None  # "fp8": FP8 linear weights from a bf16 checkpoint; see docs/fp8_weights.md
+    # vLLM's: "auto" (the checkpoint's), "bfloat16", "float16", "float32" or a torch dtype; a torch dtype once built
+    dtype: str | torch.dtype = "auto"
+    seed: int | None = None  # seeds the random stream unseeded requests draw from, once, at start (as vLLM)
+    # accepted for vLLM's scripts; this engine runs only the models it implements, never a checkpoint's own code
+    trust_remote_code: bool = False
     hf_config: PretrainedConfig = field(init=False, repr=False)
     fp8: Fp8Settings | None = field(init=False, default=None)  # from `quantization` and the checkpoint's config
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
@@ -53,17 +60,22 @@ class Config:
         if not _is_int(self.num_kvcache_blocks) or self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or a positive integer, "
                              f"got {self.num_kvcache_blocks!r}")
-        for name in ("enforce_eager", "async_scheduling"):
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        for name in ("enforce_eager", "async_scheduling", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in (None, *BACKEND_NAMES):
             raise ValueError(f"attention_backend={self.attention_backend!r} is unknown; choose one of "
                              f"{BACKEND_NAMES} or None (the fastest for the device)")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        dtype = check_dtype(self.dtype)  # None for "auto": the checkpoint's, known once its config is read
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' (or None) "
                              f"on the GPU: flash-attn's paged decode cannot read an FP8 cache")
+        check_no_remote_code(self.model)  # before transformers, which would ask to run the checkpoint's code
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.dtype = dtype or model_dtype(self.hf_config)
         family = model_class(self.hf_config)  # an unsupported architecture is refused before anything else
         if self.attention_backend == "flash_attn" and family.__name__ in FLASH_ATTN_FAILS:
             raise ValueError(f"attention_backend='flash_attn' gives wrong tokens for {family.__name__} in the GPU "
@@ -109,6 +121,21 @@ def _eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
         elif isinstance(value, list):
             ids.update(value)
     return tuple(sorted(ids))
+
+
+def check_no_remote_code(model: str) -> None:
+    """Refuse a checkpoint that names its own code (config.json's auto_map) for an architecture this engine does
+    not implement: trust_remote_code cannot help, since the model classes here are the only ones that run."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return  # transformers names the missing file
+    with open(path) as f:
+        raw = json.load(f)
+    architectures = raw.get("architectures") or []
+    if raw.get("auto_map") and not any(name in MODEL_REGISTRY for name in architectures):
+        raise ValueError(f"the checkpoint at {model} needs its own code (auto_map {raw['auto_map']}) for "
+                         f"architectures={architectures}, which this engine does not implement and will not run, "
+                         f"trust_remote_code or not; supported: {sorted(MODEL_REGISTRY)}")
 
 
 def check_model_config(hf_config: PretrainedConfig) -> None:

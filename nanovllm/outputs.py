@@ -34,6 +34,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # when SamplingParams.prompt_logprobs is set: None for the first prompt token, then per prompt token a dict of
+    # that token and the top k, each token id -> Logprob given the tokens before it (vLLM's; a keyword here)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __getitem__(self, key: str):
         """The reference engine's dict outputs (`out["text"]`, `out["token_ids"]`, `out["finish_reason"]`,

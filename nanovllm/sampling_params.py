@@ -19,13 +19,20 @@ class SamplingParams:
     min_p: drop tokens less likely than min_p times the most likely one (0: off).
         The filters apply in that order: temperature, top-k, top-p, min-p, each to what the last one left.
     seed: per-request seed; the same prompt and seed give the same tokens whatever else is in the batch.
-    max_tokens: the most tokens to generate (generation also stops at the engine's max_model_len).
+    max_tokens: the most tokens to generate (generation also stops at the engine's max_model_len); None: up to
+        max_model_len, that is max_model_len minus the prompt's length, as vLLM.
     min_tokens: end-of-sequence and stop tokens are suppressed until this many tokens are generated.
     stop: strings that end generation; the output text ends before the stop string (None: none).
     stop_token_ids: token ids that end generation, besides the model's end-of-sequence tokens.
     ignore_eos: keep generating past end-of-sequence tokens (for benchmarks).
     logprobs: None, or k: return the sampled token's log-probability and the k most likely at each step
         (k at most the engine's max_logprobs).
+    prompt_logprobs: None, or k: return, for every prompt token after the first, its log-probability given the
+        tokens before it and the k most likely tokens there (RequestOutput.prompt_logprobs; k at most
+        max_logprobs). Such a request computes its whole prompt: it takes no prefix-cache hits.
+    bad_words: words never to generate, as vLLM: each word's tokens, with and without a leading space, are
+        banned as a sequence: its last token is masked when the tokens before it were just generated (a
+        one-token word always is). A string is one word.
     skip_special_tokens: leave special tokens out of the output text.
     include_stop_str_in_output: keep the stop string at the end of the output text.
     """
@@ -39,12 +46,14 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] | str | None = field(default_factory=list)
     stop_token_ids: list[int] | None = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | str | None = field(default_factory=list)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
@@ -72,6 +81,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         if self.stop_token_ids is None:
             object.__setattr__(self, "stop_token_ids", [])
+        if self.bad_words is None:
+            object.__setattr__(self, "bad_words", [])
+        elif isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", [self.bad_words])
         _check("n", self.n, _integer(self.n) and self.n >= 1, "a positive integer")
         _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]")
         _check("frequency_penalty", self.frequency_penalty, -2.0 <= _number(self.frequency_penalty) <= 2.0,
@@ -84,8 +97,11 @@ class SamplingParams:
         _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
         _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
         _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer")
-        _check("max_tokens", self.max_tokens, _integer(self.max_tokens) and self.max_tokens >= 1, ">= 1")
-        _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        unbounded = self.max_tokens is None  # up to max_model_len: resolved per request by the engine
+        _check("max_tokens", self.max_tokens, unbounded or (_integer(self.max_tokens) and self.max_tokens >= 1),
+               "None (up to max_model_len) or an integer >= 1")
+        most = 2**63 - 1 if unbounded else self.max_tokens
+        _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= most,
                f"[0, max_tokens={self.max_tokens}]")
         _check("stop", self.stop, isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                "a string, a list of non-empty strings, or None")
@@ -94,6 +110,12 @@ class SamplingParams:
                "non-negative integers below 2**63")
         _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
                "None or an integer >= 0")
+        _check("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None
+               or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "None or an integer >= 0")
+        # vLLM strips a word's leading spaces before tokenizing it (with and without one): nothing may be left
+        _check("bad_words", self.bad_words, isinstance(self.bad_words, list)
+               and all(isinstance(w, str) and w.lstrip() for w in self.bad_words),
+               "a string, a list of strings with more than leading whitespace, or None")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
 

@@ -3,6 +3,7 @@ from collections import deque
 import numpy as np
 import xxhash
 
+from nanovllm.engine.prompt_logprobs import wants_prompt_logprobs
 from nanovllm.engine.sequence import Sequence
 
 
@@ -75,7 +76,7 @@ class BlockManager:
         """Give seq a block table for all its tokens, reusing the longest cached run of its full blocks."""
         assert not seq.block_table
         prefix_hash = -1
-        cache_hit = True
+        cache_hit = not wants_prompt_logprobs(seq)  # a cached prefix is not computed, so it could not be scored
         for i in range(seq.num_blocks):
             token_ids = seq.block(i)
             block_id = -1

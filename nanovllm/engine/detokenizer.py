@@ -3,7 +3,7 @@ import os
 from transformers import PreTrainedTokenizerBase
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class Detokenizer:
@@ -48,16 +48,24 @@ class Detokenizer:
     def request_output(self, samples: list[Sequence], prompt: str | None) -> RequestOutput:
         """One request's output: its n samples as completions."""
         first = samples[0]
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:  # the first sample scored the prompt for all of them
+            prompt_logprobs = [None, *self._decoded(first.prompt_logprobs)]
         return RequestOutput(str(first.seq_id), prompt, first.token_ids[: first.num_prompt_tokens],
-                             [self._completion(index, seq) for index, seq in enumerate(samples)])
+                             [self._completion(index, seq) for index, seq in enumerate(samples)],
+                             prompt_logprobs=prompt_logprobs)
+
+    def _decoded(self, positions: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """The same entries, each with its token's text (decoded_token)."""
+        for position in positions:
+            for token_id, entry in position.items():
+                entry.decoded_token = self.token_text(token_id)
+        return positions
 
     def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
         logprobs = cumulative = None
         if seq.params.logprobs is not None:
-            logprobs = seq.logprobs
-            for position in logprobs:
-                for token_id, entry in position.items():
-                    entry.decoded_token = self.token_text(token_id)
+            logprobs = self._decoded(seq.logprobs)
             cumulative = sum(position[token].logprob for position, token in zip(logprobs, seq.completion_token_ids))
         return CompletionOutput(index, self.output_text(seq), seq.completion_token_ids, cumulative, logprobs,
                                 seq.finish_reason, seq.stop_reason)

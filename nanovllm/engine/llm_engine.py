@@ -8,10 +8,13 @@ import torch
 
 from nanovllm.attention import make_attention_backend
 from nanovllm.config import Config
+from nanovllm.engine.chat import render
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.progress import ProgressBar, TokenCounter
-from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts, samples_of
+from nanovllm.engine.prompt_logprobs import prompt_rows
+from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts
+from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.step import Step
@@ -59,6 +62,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
+        self.requests = RequestBuilder(config, self.tokenizer, self.model_runner.num_kvcache_blocks)
         # launched, tokens not read back yet (async scheduling: the next step is launched before it completes)
         self.in_flight: Step | None = None
         self.token_counter = TokenCounter()  # tokens prefilled and generated, counted per step (progress bars)
@@ -66,6 +70,10 @@ class LLMEngine:
         self._lock_holder: int | None = None  # its thread: one that asks again would wait on itself forever
         self._exited = False
         atexit.register(self.exit)
+        if config.seed is not None:
+            # the stream requests without their own seed draw from (the sampler's torch generators), seeded once
+            # the model is loaded and warmed up, so the same script gives the same tokens; n samples still differ
+            torch.manual_seed(config.seed)
 
     def exit(self) -> None:
         """Stop the workers, free the model and KV cache, and remove every shared-memory file. Idempotent."""
@@ -90,44 +98,6 @@ class LLMEngine:
         """The sampling defaults the checkpoint's generation_config.json recommends (as vLLM's), else vLLM's."""
         return SamplingParams.from_generation_config(self.config.model)
 
-    # --- requests ----------------------------------------------------------------------------------------
-    def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the fields that index this model's vocabulary."""
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids holds {bad[0]}, outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        limit = min(self.config.max_logprobs, self.vocab_size)
-        if params.logprobs is not None and params.logprobs > limit:
-            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds {limit}: the engine option "
-                             f"max_logprobs={self.config.max_logprobs} and the vocabulary size {self.vocab_size}")
-
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Tokenize and validate one request; raises ValueError before anything is scheduled."""
-        self.check_params(params)
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError(f"empty prompt {prompt!r}: at least one token is needed")
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(f"prompt of {len(token_ids)} tokens is not shorter than max_model_len="
-                             f"{self.config.max_model_len}, so no token could be generated")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
-        num_blocks = self.scheduler.block_manager.num_blocks
-        if seq.num_blocks > num_blocks:
-            raise ValueError(f"prompt of {len(token_ids)} tokens needs {seq.num_blocks} KV blocks but the cache "
-                             f"holds only {num_blocks} blocks of {self.config.kvcache_block_size} tokens")
-        return seq
-
-    def make_samples(self, prompt: str | list[int], params: SamplingParams) -> list[Sequence]:
-        """The params.n requests of one prompt; the others fork the first one's prompt KV (see Scheduler)."""
-        first, *others = [self.make_sequence(prompt, sample) for sample in samples_of(params)]
-        for seq in others:
-            seq.prompt_owner = first
-        return [first, *others]
-
     # --- steps -------------------------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], int]:
         """Schedule and launch one batch, then complete the batch launched before it (async scheduling: its
@@ -141,7 +111,7 @@ class LLMEngine:
                 raise RuntimeError(f"nothing can be scheduled: {reason}")  # never spin
             self._complete(self.in_flight)
             return seqs, 0
-        step = Step.of(seqs, is_prefill, self.scheduler.block_manager.take_copies())
+        step = Step.of(seqs, is_prefill, self.scheduler.block_manager.take_copies(), prompt_rows(seqs, is_prefill))
         previous, self.in_flight = self.in_flight, None
         if self.workers is None:
             self.model_runner.launch(step, previous)
@@ -172,6 +142,8 @@ class LLMEngine:
             return
         if step is self.in_flight:
             self.in_flight = None
+        if step.prompt_logprobs is not None:
+            step.prompt_logprobs.attach()
         for seq, index in self.scheduler.postprocess(step, step.result()):
             if (stop := self.detokenizer.stop_string_at(seq, index)) is not None:
                 self.scheduler.stop(seq, index, reason=stop)
@@ -193,7 +165,7 @@ class LLMEngine:
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
         numbered = enumerate(zip(parsed, params))
-        requests = [(i, text, self.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
+        requests = [(i, text, self.requests.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
         outputs = dict(self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm))
         return [outputs[i] for i in range(len(requests))]
 
@@ -217,13 +189,12 @@ class LLMEngine:
         requests = self._validated(prompts, sampling_params, errors == "yield")
         return self._stream(requests, window or 2 * self.config.max_num_seqs, None, use_tqdm)
 
-    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None) -> str:
-        """The prompt text of one conversation: the tokenizer's chat template with the generation prompt."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"the tokenizer of {self.config.model} has no chat template: use generate() with "
-                             f"prompts formatted by hand")
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
+    def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None, *,
+                    chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> str:
+        """The prompt text of one conversation through the chat template (engine/chat.py)."""
+        return render(self.tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message,
+                      chat_template_kwargs, self.config.model)
 
     def _check_open(self) -> None:
         if self._exited:
@@ -242,7 +213,7 @@ class LLMEngine:
                 text, prompt = parse_prompt(index, prompt)
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{index}] is a {type(p).__name__}, not a SamplingParams")
-                yield index, text, self.make_samples(prompt, p)
+                yield index, text, self.requests.make_samples(prompt, p)
             except (ValueError, TypeError) as error:
                 if not yield_errors:
                     raise

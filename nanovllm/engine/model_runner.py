@@ -9,15 +9,17 @@ from nanovllm.attention.kv_quant import kv_cache_dtype
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
+from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.bad_words import bad_words_mask
 from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.device import available_cpu_memory, model_dtype
+from nanovllm.utils.device import available_cpu_memory
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -43,7 +45,7 @@ class ModelRunner:
         if self.use_cuda:
             torch.cuda.set_device(self.device)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
-        self.dtype = model_dtype(hf_config)
+        self.dtype = config.dtype  # the engine option, resolved by Config ("auto": the checkpoint's)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
@@ -178,12 +180,18 @@ class ModelRunner:
             buffer = self.graphs.input_buffer if graph_size is not None else None
             input_ids, positions = self.inputs.decode(seqs, previous, graph_size or len(seqs), buffer)
         sampling = self.sampler.prepare(seqs, None if step.is_prefill else input_ids) if self.rank == 0 else None
+        # None unless a request has bad_words (layers/bad_words.py); applied to the logits before the sampler
+        bans = bad_words_mask(seqs, None if step.is_prefill else input_ids, self.device) if self.rank == 0 else None
         try:
             if graph_size is not None:
                 hidden_states = self.graphs.replay(graph_size, len(seqs))
             else:
                 hidden_states = self.model(input_ids, positions)
             logits = self.model.compute_logits(hidden_states)
+            if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
+                step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
+            if bans is not None:
+                logits = bans.apply(logits)
             if self.rank == 0:
                 output = self.sampler(logits, sampling)
                 token_ids, logprobs = output.token_ids, output.logprobs

@@ -1,13 +1,29 @@
 """The prompt forms generate() accepts, as vLLM's LLM.generate does."""
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TypedDict
 
 import numpy as np
+from typing_extensions import NotRequired  # in typing from Python 3.11; torch depends on typing_extensions
 
 from nanovllm.sampling_params import SamplingParams
 
-# one prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}
-Prompt = str | list[int] | dict
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt: {"prompt": text}, tokenized by the checkpoint's tokenizer."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token prompt: {"prompt_token_ids": ids}, used as they are; "prompt" (its text) is only reported."""
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+# one prompt: text, token ids, a TextPrompt or a TokensPrompt
+Prompt = str | list[int] | TextPrompt | TokensPrompt | dict
 
 
 def parse_prompts(prompts: Prompt | Iterable[Prompt]) -> list[tuple[str | None, str | list[int]]]:

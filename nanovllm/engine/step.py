@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.engine.prompt_logprobs import PromptScores
 from nanovllm.engine.sequence import Sequence
 
 
@@ -25,11 +26,16 @@ class Step:
     logprobs: list[dict[int, float]] | None = None  # per row: the sampled token's and the top k
     # (source, destination) KV blocks to copy before the forward: a shared partial block about to be written
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (first row, count) runs of a prefill's hidden states to score for prompt_logprobs (every rank), and their
+    # scores (rank 0)
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    prompt_logprobs: PromptScores | None = None
 
     @classmethod
-    def of(cls, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] | None = None) -> "Step":
+    def of(cls, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] | None = None,
+           prompt_rows: list[tuple[int, int]] | None = None) -> "Step":
         spans = [(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens) for seq in seqs]
-        return cls(seqs, is_prefill, spans, block_copies=block_copies or [])
+        return cls(seqs, is_prefill, spans, block_copies=block_copies or [], prompt_rows=prompt_rows or [])
 
     @property
     def num_tokens(self) -> int:

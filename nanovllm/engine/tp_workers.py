@@ -37,8 +37,8 @@ def _worker_main(config: Config, rank: int, store_path: str, shm_name: str, even
             if method == "exit":
                 runner.exit()
                 break
-            seqs, is_prefill, block_copies = args  # "launch"
-            previous = runner.launch(Step.of(seqs, is_prefill, block_copies), previous)
+            seqs, is_prefill, block_copies, prompt_rows = args  # "launch"
+            previous = runner.launch(Step.of(seqs, is_prefill, block_copies, prompt_rows), previous)
     finally:
         channel.close()
 
@@ -76,7 +76,7 @@ class Workers:
         self.channel.send(self.events, method, *args, check_alive=self.check_alive)
 
     def launch(self, step: Step) -> None:
-        self.send("launch", step.seqs, step.is_prefill, step.block_copies)
+        self.send("launch", step.seqs, step.is_prefill, step.block_copies, step.prompt_rows)
 
     def wait_for(self, stage: str) -> None:
         """Wait for every worker to reach `stage` of its start-up; one that dies on the way is an error, not a
