@@ -89,6 +89,26 @@ def test_largest_logits_chunk_wise_are_the_largest_logits_and_count_every_tie(k)
     assert expected[2] == 12
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_fused_floors_equal_the_torch_floors(ties):
+    """The GPU's path (chunk-wise candidates, one Triton kernel) against the torch ops, row settings mixed."""
+    gen = torch.Generator().manual_seed(3)
+    rows = 8
+    logits = (torch.randint(0, 6, (rows, CHUNK * 12), generator=gen).float() if ties
+              else torch.randn(rows, CHUNK * 12, generator=gen) * 2).to(torch.bfloat16)
+    temperatures = torch.tensor([1.0, 0.6, 0.0, 1.3, 0.8, 1.0, 0.5, 2.0])
+    top_k = torch.tensor([20, 5, 3, 0, 11, 1, 20, 0])
+    top_p = torch.tensor([0.95, 1.0, 0.5, 0.9, 0.3, 0.8, 0.99, 1.0])
+    min_p = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.0, 0.2, 0.3])
+    unbounded = torch.tensor([3])
+    for parts in ((top_k, top_p, min_p), (top_k, top_p, None), (top_k, None, None), (None, None, min_p),
+                  (top_k, None, min_p)):
+        arguments = (logits, temperatures, *parts, 20, unbounded if parts[1] is not None else None)
+        fused, plain = logit_floors(*arguments, fused=True), logit_floors(*arguments, fused=False)
+        assert torch.equal(fused, plain), (parts, fused, plain)
+    assert fused[2] == float("-inf")  # greedy
+
+
 def test_rows_mix_settings_and_off_values():
     torch.manual_seed(1)
     logits = torch.randn(4, 40)

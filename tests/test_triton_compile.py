@@ -16,6 +16,7 @@ from nanovllm.layers.activation import _silu_and_mul_kernel
 from nanovllm.attention.flash_attn_backend import _store_kvcache_fp8_kernel, _store_kvcache_kernel
 from nanovllm.layers.fused_moe import _grouped_matmul
 from nanovllm.layers.gumbel_max import _gumbel_max
+from nanovllm.layers.sampling_floors import _chunk_maxima, _floors, _recount
 from nanovllm.attention.paged_decode import _decode_attention
 from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
 
@@ -23,7 +24,9 @@ from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
 POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i32", "block_tables_ptr": "*i32",
             "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "counters_ptr": "*i32",
             "temperatures_ptr": "*fp32", "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "weights_ptr": "*fp32",
-            "sorted_pairs_ptr": "*i32", "tile_experts_ptr": "*i32"}
+            "sorted_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "floors_ptr": "*fp32", "row_seeds_ptr": "*i64",
+            "values_ptr": "*fp32", "counts_ptr": "*i32", "recount_ptr": "*i32", "top_k_ptr": "*i64",
+            "top_p_ptr": "*fp32", "min_p_ptr": "*fp32"}
 # an FP8 KV cache: float8 e4m3 rows and float32 scales
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)
@@ -38,7 +41,12 @@ KERNELS = [
     (_decode_attention, dict(DECODE, KV_SCALES=0), {}),
     (_decode_attention, dict(DECODE, KV_SCALES=1), FP8),
     (_decode_attention, dict(DECODE, KV_SCALES=2), FP8),
-    (_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True), {}),
+    *((_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True, HAS_FLOOR=floor,
+                         HAS_ROW_SEEDS=seeds), {}) for floor in (False, True) for seeds in (False, True)),
+    (_chunk_maxima, dict(CHUNK=128, GROUP=16), {}),
+    (_recount, dict(BLOCK=4096), {}),
+    *((_floors, dict(KP=32, HAS_TOP_K=k, HAS_TOP_P=p, HAS_MIN_P=m), {})
+      for k, p, m in ((True, True, True), (True, False, False), (False, False, True))),
     (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024), {}),
     (_store_kvcache_fp8_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), FP8),
     (_silu_and_mul_kernel, dict(BLOCK=1024), {}),

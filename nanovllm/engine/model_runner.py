@@ -13,7 +13,6 @@ from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.bad_words import bad_words_mask
 from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
@@ -180,8 +179,6 @@ class ModelRunner:
             buffer = self.graphs.input_buffer if graph_size is not None else None
             input_ids, positions = self.inputs.decode(seqs, previous, graph_size or len(seqs), buffer)
         sampling = self.sampler.prepare(seqs, None if step.is_prefill else input_ids) if self.rank == 0 else None
-        # None unless a request has bad_words (layers/bad_words.py); applied to the logits before the sampler
-        bans = bad_words_mask(seqs, None if step.is_prefill else input_ids, self.device) if self.rank == 0 else None
         try:
             if graph_size is not None:
                 hidden_states = self.graphs.replay(graph_size, len(seqs))
@@ -190,8 +187,6 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states)
             if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
-            if bans is not None:
-                logits = bans.apply(logits)
             if self.rank == 0:
                 output = self.sampler(logits, sampling)
                 token_ids, logprobs = output.token_ids, output.logprobs

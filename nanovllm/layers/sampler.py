@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.bad_words import BadWordsMask, bad_words_mask
 from nanovllm.layers.gumbel_max import gumbel_max_sample
 from nanovllm.layers.penalties import PenaltyHistories, PenaltyTensors, has_penalties
 from nanovllm.layers.sampling_floors import logit_floors
@@ -30,6 +31,7 @@ class SamplingTensors:
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
     logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
     penalties: PenaltyTensors | None = None  # applied to the logits first
+    bad_words: BadWordsMask | None = None  # applied after the penalties (layers/bad_words.py)
 
     @property
     def filtered(self) -> bool:
@@ -109,8 +111,9 @@ class Sampler(nn.Module):
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
         temperatures = [p.temperature for p in params]
         penalties = self.penalty_histories.tensors(seqs, fed_token_ids) if any(map(has_penalties, params)) else None
+        bad_words = bad_words_mask(seqs, fed_token_ids, self.device)
         if all(map(samples_with_temperature_only, params)):  # the per-step common case
-            return SamplingTensors(as_tensor(temperatures, np.float32), penalties=penalties)
+            return SamplingTensors(as_tensor(temperatures, np.float32), penalties=penalties, bad_words=bad_words)
         # one transfer for the float settings and one for the integer ones
         floats = as_tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], np.float32)
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
@@ -121,7 +124,8 @@ class Sampler(nn.Module):
             rows, seeds, steps = zip(*seeded)
             keys[list(rows)] = step_keys(np.array(seeds, dtype=np.int64), np.array(steps, dtype=np.int64))
         ints = as_tensor(np.stack([np.array(top_k, dtype=np.int64), keys]), np.int64)
-        tensors = SamplingTensors(floats[0], penalties=penalties, row_seeds=ints[1] if seeded else None)
+        tensors = SamplingTensors(floats[0], penalties=penalties, bad_words=bad_words,
+                                  row_seeds=ints[1] if seeded else None)
         if any(top_k):
             tensors.top_k, tensors.candidates = ints[0], max(top_k)
         if any(p.top_p < 1.0 for p in params):
@@ -144,6 +148,8 @@ class Sampler(nn.Module):
         model_logits = logits
         if params.penalties is not None:
             logits = params.penalties.apply(logits)
+        if params.bad_words is not None:  # logprobs are still the model's own (model_logits)
+            logits = params.bad_words.apply(logits)
         if params.banned is not None:
             logits = logits.clone() if logits is model_logits else logits
             logits[params.banned] = float("-inf")

@@ -41,6 +41,42 @@ def _recount(logits_ptr, floors_ptr, recount_ptr, counts_ptr, vocab, row_stride,
         tl.atomic_add(counts_ptr + row, tl.sum((x.to(tl.float32) >= tl.load(floors_ptr + row)).to(tl.int32), 0))
 
 
+@triton.jit
+def _floors(values_ptr, counts_ptr, temperatures_ptr, top_k_ptr, top_p_ptr, min_p_ptr, floors_ptr, num_values,
+            KP: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr):
+    """logit_floors' arithmetic on the k largest logits, one program a row (the torch version is 30-odd launches)."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, KP)
+    values = tl.load(values_ptr + row * num_values + offs, mask=offs < num_values, other=float("-inf"))
+    temperature = tl.load(temperatures_ptr + row)
+    tempered = tl.maximum(temperature, 1e-5)
+    largest = tl.max(values, 0)
+    floor = tl.full([], float("-inf"), tl.float32)
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + row)
+        k = tl.where(top_k > 0, tl.minimum(top_k, num_values), num_values).to(tl.int32)
+        kth = tl.sum(tl.where(offs == k - 1, values, 0.0), 0)
+        floor = tl.where(top_k > 0, kth, floor)
+        if HAS_TOP_P:
+            top_p = tl.load(top_p_ptr + row)
+            weights = tl.where(offs < k, tl.exp((values - largest) / tempered), 0.0)
+            # the mass strictly before each position, as an inclusive sum of the weights shifted by one
+            previous = tl.load(values_ptr + row * num_values + offs - 1, mask=(offs >= 1) & (offs - 1 < num_values),
+                               other=float("-inf"))
+            before = tl.cumsum(tl.where((offs >= 1) & (offs - 1 < k), tl.exp((previous - largest) / tempered), 0.0), 0)
+            ties = tl.maximum(tl.load(counts_ptr + row) - k, 0).to(tl.float32)
+            total = tl.sum(weights, 0) + ties * tl.exp((kth - largest) / tempered)
+            kept = (before < top_p * total) & (offs < k)
+            last = tl.maximum(tl.sum(kept.to(tl.int32), 0) - 1, 0)
+            top_p_floor = tl.sum(tl.where(offs == last, values, 0.0), 0)
+            floor = tl.where((top_k > 0) & (top_p < 1.0), tl.maximum(floor, top_p_floor), floor)
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + row)
+        min_p_floor = largest + tempered * tl.log(tl.maximum(min_p, 1e-30))
+        floor = tl.maximum(floor, tl.where(min_p > 0, min_p_floor, float("-inf")))
+    tl.store(floors_ptr + row, tl.where(temperature > 0, floor, float("-inf")))
+
+
 class LargestLogits:
     """The k largest logits of each row, float32 and descending, and how to count a row's logits at or above a
     value among them (ties past the k-th included)."""
@@ -95,39 +131,49 @@ def _top_p_floor(values: torch.Tensor, scaled: torch.Tensor, top_p: torch.Tensor
 
 def logit_floors(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
                  top_p: torch.Tensor | None, min_p: torch.Tensor | None, candidates: int,
-                 unbounded_top_p: torch.Tensor | None = None) -> torch.Tensor:
+                 unbounded_top_p: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
     """Per row, the smallest logit the filters keep (float32, -inf where no filter applies).
 
     top_k: int64, 0 = off; top_p: float32, 1 = off; min_p: float32, 0 = off (None: off for every row).
     candidates: the largest top_k of the batch (1 when none: min-p needs only the maximum).
-    unbounded_top_p: int64 indices of the rows with top-p and no top-k."""
+    unbounded_top_p: int64 indices of the rows with top-p and no top-k.
+    fused: the chunk-wise candidates and one Triton kernel for the arithmetic (default: on a GPU), or torch ops."""
     rows, vocab = logits.shape
     num_candidates = max(1, min(candidates, vocab))
-    largest = LargestLogits(logits, num_candidates, chunked=logits.is_cuda)
+    largest = LargestLogits(logits, num_candidates, chunked=logits.is_cuda if fused is None else fused)
     values = largest.values
     tempered = temperatures.clamp_min(1e-5).unsqueeze(1)
-    floors = torch.full((rows,), float("-inf"), device=logits.device)
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, num_candidates).clamp(max=num_candidates)
         kth = values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
-        floors = torch.where(top_k > 0, kth, floors)
-        if top_p is not None:
-            in_top_k = torch.arange(num_candidates, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
-            scaled = (values / tempered).masked_fill(~in_top_k, float("-inf"))
-            # tokens tied with the k-th but past it in topk's order are kept by top-k: their mass counts
-            tied_beyond = (largest.count_at_least(kth) - k).clamp_min(0)
-            kth_weight = ((kth - values[:, 0]) / tempered.squeeze(1)).exp()
-            bounded = (top_k > 0) & (top_p < 1.0)
-            floors = torch.where(bounded, torch.maximum(floors, _top_p_floor(values, scaled, top_p,
-                                                                             tied_beyond * kth_weight)), floors)
+        # tokens tied with the k-th but past it in the candidates' order are kept by top-k: their mass counts
+        at_least_kth = largest.count_at_least(kth) if top_p is not None else None
+    if logits.is_cuda if fused is None else fused:
+        floors = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        _floors[(rows,)](values, at_least_kth if top_k is not None and top_p is not None else floors, temperatures,
+                         temperatures if top_k is None else top_k, temperatures if top_p is None else top_p,
+                         temperatures if min_p is None else min_p, floors, num_candidates,
+                         KP=triton.next_power_of_2(num_candidates), HAS_TOP_K=top_k is not None,
+                         HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None)
+    else:
+        floors = torch.full((rows,), float("-inf"), device=logits.device)
+        if top_k is not None:
+            floors = torch.where(top_k > 0, kth, floors)
+            if top_p is not None:
+                in_top_k = torch.arange(num_candidates, device=logits.device).unsqueeze(0) < k.unsqueeze(1)
+                scaled = (values / tempered).masked_fill(~in_top_k, float("-inf"))
+                kth_weight = ((kth - values[:, 0]) / tempered.squeeze(1)).exp()
+                top_p_floor = _top_p_floor(values, scaled, top_p, (at_least_kth - k).clamp_min(0) * kth_weight)
+                floors = torch.where((top_k > 0) & (top_p < 1.0), torch.maximum(floors, top_p_floor), floors)
+        if min_p is not None:
+            # p_i >= min_p * p_max  <=>  x_i >= x_max + T * ln(min_p); min_p = 0 gives -inf
+            floors = torch.maximum(floors, values[:, 0] + tempered.squeeze(1) * min_p.log())
+        # greedy rows take the argmax, which every floor keeps; a floor there could only be a NaN from T = 0
+        floors = torch.where(temperatures > 0, floors, float("-inf"))
     if unbounded_top_p is not None and unbounded_top_p.numel():
         whole = logits.index_select(0, unbounded_top_p).float().sort(dim=-1, descending=True).values
         sub_floors = _top_p_floor(whole, whole / tempered.index_select(0, unbounded_top_p),
                                   top_p.index_select(0, unbounded_top_p))
         floors = floors.index_copy(0, unbounded_top_p,
                                    torch.maximum(floors.index_select(0, unbounded_top_p), sub_floors))
-    if min_p is not None:
-        # p_i >= min_p * p_max  <=>  x_i >= x_max + T * ln(min_p); min_p = 0 gives -inf
-        floors = torch.maximum(floors, values[:, 0] + tempered.squeeze(1) * min_p.log())
-    # greedy rows take the argmax, which every floor keeps; a floor there could only be a NaN from T = 0
-    return torch.where(temperatures > 0, floors, float("-inf"))
+    return floors
