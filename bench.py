@@ -25,10 +25,10 @@ from nanovllm.utils.random_checkpoint import SHAPE_NAMES, default_checkpoint
 WORKLOADS: dict[str, dict] = {
     "default": dict(num_seqs=256, min_input_len=100, max_input_len=1024, min_output_len=100, max_output_len=1024,
                     max_model_len=4096),
-    # decode over long contexts, where reading the KV cache is most of the run (issue 20)
+    # decode over long contexts, where reading the KV cache is most of the run (what an FP8 KV cache halves)
     "long-context": dict(num_seqs=64, min_input_len=6000, max_input_len=14000, min_output_len=200,
                          max_output_len=800, max_model_len=16384),
-    # prefill is most of the run, where FP8 matmuls gain most (issue 23)
+    # prefill is most of the run, where FP8 matmuls gain most
     "prefill-heavy": dict(num_seqs=512, min_input_len=1024, max_input_len=3072, min_output_len=16,
                           max_output_len=64, max_model_len=4096),
 }

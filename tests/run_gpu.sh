@@ -16,7 +16,7 @@ for backend in triton flash_attn; do
   python3 bench.py --runs 4 --attention-backend $backend "$@" 2>&1 | tee "$out/bench_$backend.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || bench_rc=1
 done
-# name: bench.py arguments (issue 20: FP8 KV at least 1.35x bf16 warm on the default, 1.5x on long-context)
+# name: bench.py arguments (the FP8 KV cache against bf16 on the default and the long-context workloads)
 declare -A kv_runs=([triton_fp8]="--kv-cache-dtype fp8" [long_bf16]="--workload long-context"
                     [long_fp8]="--workload long-context --kv-cache-dtype fp8")
 kv_names="triton_fp8 long_bf16 long_fp8"
