@@ -3,6 +3,8 @@ replica with each request answered once, share uneven work, stop clearly when al
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -178,3 +180,39 @@ def test_ray_data_example_from_the_docs(tiny_model, local_ray):
         expected = {t: o.outputs[0].text for t, o in zip(texts, llm.generate(texts, SamplingParams(
             temperature=0, max_tokens=32), use_tqdm=False))}
     assert {row["prompt"]: row["text"] for row in rows} == expected
+
+
+def test_importing_the_package_asks_cuda_nothing():
+    """A replica sets its GPUs before the engine runs; torch counts GPUs once, so no import may ask before."""
+    probe = ("import torch\nasked = []\nreal = torch.cuda.is_available\n"
+             "torch.cuda.is_available = lambda: asked.append(1) or real()\n"
+             "import nanovllm, nanovllm.run_batch, nanovllm.data_parallel, nanovllm.layers.layernorm\n"
+             "import nanovllm.layers.rotary_embedding, nanovllm.layers.fp8_linear\n"
+             "assert not asked, 'importing nanovllm asked torch.cuda.is_available()'\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_replica_has_its_gpus_in_its_environment_before_any_import(monkeypatch):
+    from multiprocessing import get_context
+
+    import spawn_probe
+
+    from nanovllm.data_parallel.processes import start_with_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    ctx = get_context("spawn")
+    queue = ctx.Queue()
+    process = ctx.Process(target=spawn_probe.report, args=(queue,))
+    start_with_devices(process, "2,3")
+    assert queue.get(timeout=120) == "2,3"
+    process.join(timeout=60)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"  # the driver's own is left as it was
+
+
+def test_a_replica_given_missing_gpus_names_them():
+    from nanovllm.data_parallel.processes import check_devices
+
+    with pytest.raises(RuntimeError, match=r"replica 1.*CUDA_VISIBLE_DEVICES=4,5 names 2 GPU\(s\) but 0 can be used"):
+        check_devices("4,5", "replica 1")
+    check_devices(None, "replica 0")  # CPU replicas

@@ -9,7 +9,8 @@ import os
 import queue
 import signal
 import threading
-from multiprocessing import connection, get_context
+from multiprocessing import connection, current_process, get_context
+from multiprocessing.process import BaseProcess
 
 from nanovllm.data_parallel.replica import STOP, serve
 
@@ -32,11 +33,38 @@ def device_groups(replicas: int, tp: int) -> list[str | None]:
     return [",".join(names[r * tp:(r + 1) * tp]) for r in range(replicas)]
 
 
-def _replica_main(conn: connection.Connection, engine_class: type, model: str, options: dict,
-                  devices: str | None, threads: int | None) -> None:
-    # before anything touches CUDA (importing torch does not): the engine sees only its own GPUs, as cuda:0..
+def start_with_devices(process: BaseProcess, devices: str | None) -> None:
+    """Start a spawned process with CUDA_VISIBLE_DEVICES=devices in its environment from its first instruction:
+    set inside the process it would come after the imports that unpickling its target runs, and torch counts the
+    GPUs once."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        process.start()
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def check_devices(devices: str | None, name: str) -> None:
+    """A replica given GPUs that this machine does not have stops with their names, before any engine work."""
+    if devices is None:
+        return
+    import torch
+
+    wanted = len(devices.split(","))
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < wanted:
+        raise RuntimeError(f"{name}: CUDA_VISIBLE_DEVICES={devices} names {wanted} GPU(s) but {found} can be "
+                           f"used: check the GPUs of this machine and the data/tensor parallel sizes")
+
+
+def _replica_main(conn: connection.Connection, engine_class: type, model: str, options: dict,
+                  devices: str | None, threads: int | None) -> None:
+    check_devices(devices, current_process().name)
     if threads is not None:  # CPU replicas share the cores rather than each taking all of them
         import torch
 
@@ -76,7 +104,7 @@ class ProcessReplicas:
             # not a daemon: daemonic processes may not start the engine's own tensor-parallel workers
             process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
                                   args=(child, engine_class, model, options, group, threads))
-            process.start()
+            start_with_devices(process, group)
             child.close()  # so that the replica's death is end-of-file here
             self.conns.append(parent)
             self.processes.append(process)

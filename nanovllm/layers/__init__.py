@@ -1,3 +1,5 @@
+import functools
+
 import torch
 
 
@@ -6,5 +8,13 @@ def fused(fn):
 
     dynamic=True traces with symbolic sizes, so changing batch sizes reuse one compiled kernel instead of
     recompiling inside a timed run. On CPU the plain eager code runs (no C++ toolchain or compile time needed).
+    The choice is made per call from the first argument's device, not at import: importing the package must not
+    ask CUDA anything, or a process that sets CUDA_VISIBLE_DEVICES afterwards would see the GPUs counted before.
     """
-    return torch.compile(fn, dynamic=True) if torch.cuda.is_available() else fn
+    compiled = torch.compile(fn, dynamic=True)
+
+    @functools.wraps(fn)
+    def run(first: torch.Tensor, *args, **kwargs):
+        return compiled(first, *args, **kwargs) if first.is_cuda else fn(first, *args, **kwargs)
+
+    return run
