@@ -8,9 +8,12 @@ def fused(fn):
 
     dynamic=True traces with symbolic sizes, so changing batch sizes reuse one compiled kernel instead of
     recompiling inside a timed run. On CPU the plain eager code runs (no C++ toolchain or compile time needed).
-    The choice is made per call from the first argument's device, not at import: importing the package must not
-    ask CUDA anything, or a process that sets CUDA_VISIBLE_DEVICES afterwards would see the GPUs counted before.
+    The choice is made from how torch was built and, per call, from the first argument's device: importing the
+    package must not ask CUDA anything, or a process that sets CUDA_VISIBLE_DEVICES afterwards would see the GPUs
+    counted before.
     """
+    if not torch.backends.cuda.is_built():  # a CPU build of torch: nothing to compile for, nor to import for it
+        return fn
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
