@@ -3,6 +3,7 @@
     python bench.py                      # Qwen3-0.6B shape with random weights, written on first use
     python bench.py --runs 4             # first run is "cold", the median of the others "warm"
     python bench.py --workload long-context --kv-cache-dtype fp8   # 64 requests of 6k-14k prompt tokens
+    python bench.py --workload capacity --kv-cache-dtype fp8       # more context than a bf16 cache holds
     python bench.py --shape Qwen3-30B-A3B  # any shape of nanovllm/utils/random_checkpoint.py (Llama, Qwen2.5, MoE)
     python bench.py --shape Qwen3-8B --quantization fp8            # FP8 weights quantized at load
     python bench.py --shape Qwen3-8B-FP8                           # a checkpoint in the published FP8 layout
@@ -28,6 +29,10 @@ WORKLOADS: dict[str, dict] = {
     # decode over long contexts, where reading the KV cache is most of the run (what an FP8 KV cache halves)
     "long-context": dict(num_seqs=64, min_input_len=6000, max_input_len=14000, min_output_len=200,
                          max_output_len=800, max_model_len=16384),
+    # more context than a bf16 cache holds at once (about 1.15M tokens for the 0.6B shape on a 141 GB GPU): bf16
+    # must queue and preempt, an FP8 cache (twice the tokens) runs them together
+    "capacity": dict(num_seqs=512, min_input_len=1000, max_input_len=4000, min_output_len=500,
+                     max_output_len=1500, max_model_len=8192),
     # prefill is most of the run, where FP8 matmuls gain most
     "prefill-heavy": dict(num_seqs=512, min_input_len=1024, max_input_len=3072, min_output_len=16,
                           max_output_len=64, max_model_len=4096),
@@ -88,6 +93,9 @@ def main() -> None:
     if args.runs > 1 or args.profile:
         print("runs after the first use fresh random token ids (same prompt and output lengths), "
               "so they get no prefix-cache hits from earlier runs")
+    preemptions = []
+    preempt = llm.scheduler._preempt
+    llm.scheduler._preempt = lambda seq: (preemptions.append(seq.seq_id), preempt(seq))[1]
     times = []
     for run in range(args.runs):
         batch = prompts if run == 0 else fresh_token_ids(prompts, max_id, run)
@@ -96,7 +104,9 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         total = sum(len(o.outputs[0].token_ids) for o in outputs)
         times.append(elapsed)
-        print(f"run {run + 1}: Total: {total} tok, Time: {elapsed:.2f} s, Throughput: {total / elapsed:.0f} tok/s")
+        print(f"run {run + 1}: Total: {total} tok, Time: {elapsed:.2f} s, Throughput: {total / elapsed:.0f} tok/s, "
+              f"preemptions: {len(preemptions)}")
+        preemptions.clear()
     if args.profile:
         profile_run(llm, fresh_token_ids(prompts, max_id, args.runs), params)
     if torch.cuda.is_available():

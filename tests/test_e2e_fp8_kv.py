@@ -8,8 +8,11 @@ full precision takes the argmax every time; FP8 took it for 93.6% of 1216 tokens
 logits) when this test was written. The bar, 85% and a mean gap under 0.02, is what FP8 must keep: a real
 quantisation bug (a wrong scale, a wrong row) makes logits meaningless and drops the rate towards 1/vocabulary.
 """
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.attention.kv_quant import FP8
@@ -83,5 +86,48 @@ def test_fp8_cache_holds_more_blocks_in_the_same_bytes(tiny_model):
     for dtype in ("auto", "fp8_e4m3"):
         with LLM(tiny_model, kv_cache_dtype=dtype, num_kvcache_blocks=8) as llm:
             sizes[dtype] = llm.model_runner.kv_layout.block_bytes
-    # the tiny model is float32 (4 bytes) with head_dim 32: 128 bytes a row against 32 + a 4-byte scale
-    assert sizes["auto"] * 36 == sizes["fp8_e4m3"] * 128
+    # the tiny model is float32: 4 bytes an element against 1 (the scales are two numbers per layer)
+    assert sizes["auto"] == 4 * sizes["fp8_e4m3"]
+
+
+def test_fp8_cache_takes_the_checkpoints_scales(tiny_model, hf_model, tmp_path):
+    """A checkpoint with KV-cache scales (vLLM's names in layer 0, the older single kv_scale in layer 1) is read:
+    the cache uses exactly those scales instead of measuring its own, and greedy stays as close to float32."""
+    prompts = random_prompts([40, 200, 7, 120], seed=5)
+    with LLM(tiny_model, kv_cache_dtype="fp8") as llm:
+        measured = llm.model_runner.kv_scales
+    assert len(measured) == 2 and all(k > 0 and v > 0 for k, v in measured)
+    path = str(tmp_path / "with-kv-scales")
+    shutil.copytree(tiny_model, path)
+    weights = load_file(f"{path}/model.safetensors")
+    given = [(measured[0][0] * 1.5, measured[0][1] * 0.75), (measured[1][0] * 1.25, measured[1][0] * 1.25)]
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(given[0][0])
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(given[0][1])
+    weights["model.layers.1.self_attn.kv_scale"] = torch.tensor(given[1][0])
+    save_file(weights, f"{path}/model.safetensors")
+    with LLM(path, kv_cache_dtype="fp8") as llm:
+        float32_given = [tuple(torch.tensor(x).item() for x in pair) for pair in given]
+        assert llm.model_runner.kv_scales == float32_given
+        caches = [layer.cache for layer in llm.model_runner.attention_layers]
+        assert [(c.k_scale, c.v_scale) for c in caches] == float32_given
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    rate, mean_gap, _ = teacher_forced(hf_model, prompts, outputs)
+    assert rate >= 0.85 and mean_gap <= 0.02, (rate, mean_gap)
+    # a model-dtype cache ignores them: the same tokens as the checkpoint without them
+    plain = []
+    for checkpoint in (tiny_model, path):
+        with LLM(checkpoint) as llm:
+            assert llm.model_runner.kv_scales is None
+            plain.append([o["token_ids"] for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+    assert plain[0] == plain[1]
+
+
+def test_checkpoint_with_kv_scales_for_some_layers_is_refused(tiny_model, tmp_path):
+    path = str(tmp_path / "half-kv-scales")
+    shutil.copytree(tiny_model, path)
+    weights = load_file(f"{path}/model.safetensors")
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.1)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(0.1)
+    save_file(weights, f"{path}/model.safetensors")
+    with pytest.raises(ValueError, match=r"not both scales of layer\(s\) \[1\] of 2"):
+        LLM(path, kv_cache_dtype="fp8")

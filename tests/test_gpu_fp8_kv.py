@@ -7,16 +7,18 @@ one table: tokens, share that are the float32 argmax, mean and worst float32 log
 
 FP8 rows carry 3 mantissa bits against bf16's 7, and this random 28-layer network is chaotic, so how far FP8
 may fall behind bf16 is not a number to guess: the bar comes from transformers in float32 with the same
-quantisation emulated (each post-RoPE key and value row rounded to e4m3 with its own amax / 448 scale). On our
-FP8 engine's own history, the emulation's argmax is scored like ours, and ours must take the float32 argmax
+quantisation emulated (each post-RoPE key and value rounded to e4m3 with the engine's own per-layer scales). On
+our FP8 engine's own history, the emulation's argmax is scored like ours, and ours must take the float32 argmax
 at least as often (less 3 points) with a mean gap at most 1.5x the emulation's, the test tests/test_gpu.py
-applies to bf16 against transformers' bf16. So what remains beyond the bar is a bug, not the format.
+applies to bf16 against transformers' bf16. So what remains beyond the bar is a bug, not the format. Every
+mode must also keep 99% of its tokens within 0.25 logits of the float32 argmax.
 """
 import pytest
 import torch
 from hf_reference import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.attention.kv_quant import dequantize, quantize
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -25,12 +27,23 @@ LONGER = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096, attention_backend="triton")
 KV_DTYPES = ("auto", "fp8")
 MODES = ("graph", "eager", "prefix-cache", "tiny-KV", "chunked-prefill")
+MARGIN = 0.25  # logits: a token this close to the float32 argmax is a near-tie, not an error
+
+
+# 0.05: the checkpoint tests/test_gpu.py uses, logits peaked enough to compare, and chaotic (near-ties
+# everywhere); 0.02: the default random checkpoint, which bench.py runs
+CHECKPOINT_STDS = (0.05, 0.02)
+
+
+@pytest.fixture(scope="module", params=CHECKPOINT_STDS, ids=[f"std{std}" for std in CHECKPOINT_STDS])
+def checkpoint_std(request) -> float:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    # the checkpoint tests/test_gpu.py uses: logits peaked enough to compare
-    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=0.05, seed=1)
+def model_path(checkpoint_std, tmp_path_factory) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=checkpoint_std,
+                                   seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +53,27 @@ def hf_float32(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda().eval()
 
 
-def fake_fp8_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row of the last dimension rounded to e4m3 with its own amax / 448 scale, back in x's dtype."""
-    scale = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-30)
-    return ((x.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+def fake_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x rounded to e4m3 with the layer's scale, as the FP8 cache stores it, back in x's dtype."""
+    return dequantize(quantize(x, scale), scale, x.dtype)
 
 
 @pytest.fixture(scope="module")
 def hf_fp8_emulated(model_path):
-    """transformers in float32 with every key and value row quantised as the FP8 cache stores it."""
+    """transformers in float32 with every key and value quantised as the FP8 cache stores them: with the
+    per-layer scales in `model.kv_scales` (set to each engine's before scoring it)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, *args, **kwargs):
-        return sdpa_attention_forward(module, query, fake_fp8_rows(key), fake_fp8_rows(value), *args, **kwargs)
+        k_scale, v_scale = model.kv_scales[module.layer_idx]
+        return sdpa_attention_forward(module, query, fake_fp8(key, k_scale), fake_fp8(value, v_scale), *args,
+                                      **kwargs)
 
     AttentionInterface.register("fp8_kv_emulated", attention)
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                attn_implementation="fp8_kv_emulated").cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation="fp8_kv_emulated").cuda().eval()
+    return model
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
@@ -86,21 +102,24 @@ def score(hf_float32, prompts, outputs, emulated=None) -> dict:
             emulated_gaps.append(exact.max(1).values - exact.gather(1, choice.unsqueeze(1)).squeeze(1))
     gaps = torch.cat(gaps)
     result = dict(tokens=len(gaps), exact=(gaps == 0).float().mean().item(), mean_gap=gaps.mean().item(),
-                  worst_gap=gaps.max().item())
+                  worst_gap=gaps.max().item(), within_margin=(gaps <= MARGIN).float().mean().item())
     if emulated is not None:
         emulated_gaps = torch.cat(emulated_gaps)
         result.update(emulated_exact=(emulated_gaps == 0).float().mean().item(),
-                      emulated_mean_gap=emulated_gaps.mean().item())
+                      emulated_mean_gap=emulated_gaps.mean().item(),
+                      emulated_within_margin=(emulated_gaps <= MARGIN).float().mean().item())
     return result
 
 
 def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
-    """Each mode's (prompts, outputs) with this KV cache dtype, and the KV block count at ENGINE's budget."""
+    """Each mode's (prompts, outputs, the engine's FP8 scales) with this KV cache dtype, and the KV block count
+    at ENGINE's budget."""
     runs = {}
     with LLM(model_path, kv_cache_dtype=kv_cache_dtype, **ENGINE) as llm:
         blocks = llm.model_runner.num_kvcache_blocks
+        scales = llm.model_runner.kv_scales
         prompts = mixed_prompts()
-        runs["graph"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+        runs["graph"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False), scales)
         prefix = prompts_of([1100], seed=2)[0]
         shared = [prefix + s for s in prompts_of([5, 200, 300, 1], seed=3)]
         first = llm.generate(shared[:1], LONGER, use_tqdm=False)
@@ -114,41 +133,46 @@ def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
         llm.scheduler.block_manager.allocate = allocate
         second = llm.generate(shared[1:], LONGER, use_tqdm=False)  # hits the blocks the first call registered
         assert all(n >= 1024 for n in hits), hits
-        runs["prefix-cache"] = (shared, first + second)
+        runs["prefix-cache"] = (shared, first + second, scales)
         assert_no_leaks(llm)
     with LLM(model_path, kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **ENGINE) as llm:
-        runs["eager"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False))
+        runs["eager"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False), llm.model_runner.kv_scales)
     tiny = dict(ENGINE, gpu_memory_utilization=0.9)
     with LLM(model_path, kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=24, **tiny) as llm:
         preempted = []
         preempt = llm.scheduler._preempt
         llm.scheduler._preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
-        runs["tiny-KV"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False))
+        runs["tiny-KV"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False),
+                           llm.model_runner.kv_scales)
         assert preempted, "24 blocks were meant to be too few for 24 sequences"
         assert_no_leaks(llm)
     with LLM(model_path, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=512, **ENGINE) as llm:
-        runs["chunked-prefill"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False))
+        runs["chunked-prefill"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False),
+                                   llm.model_runner.kv_scales)
     return runs, blocks
 
 
 @pytest.fixture(scope="module")
-def results(model_path, hf_float32, hf_fp8_emulated) -> dict:
+def results(checkpoint_std, model_path, hf_float32, hf_fp8_emulated) -> dict:
     table, blocks = {}, {}
     for dtype in KV_DTYPES:
         runs, blocks[dtype] = run_modes(model_path, dtype)
-        for mode, (prompts, outputs) in runs.items():
+        for mode, (prompts, outputs, scales) in runs.items():
+            hf_fp8_emulated.kv_scales = scales
             table[mode, dtype] = score(hf_float32, prompts, outputs, hf_fp8_emulated if dtype == "fp8" else None)
-    print("\n| mode | KV cache | tokens | float32 argmax | mean gap | worst gap | emulated FP8: argmax, mean gap |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"\ncheckpoint std {checkpoint_std}")
+    print(f"| mode | KV cache | tokens | float32 argmax | within {MARGIN} | mean gap | worst gap | "
+          f"emulated FP8: argmax, mean gap |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for mode in MODES:
         for dtype in KV_DTYPES:
             r = table[mode, dtype]
             emulated = f"{r['emulated_exact']:.1%}, {r['emulated_mean_gap']:.4f}" if "emulated_exact" in r else ""
             print(f"| {mode} | {'bf16' if dtype == 'auto' else dtype} | {r['tokens']} | {r['exact']:.1%} | "
-                  f"{r['mean_gap']:.4f} | {r['worst_gap']:.3f} | {emulated} |")
+                  f"{r['within_margin']:.1%} | {r['mean_gap']:.4f} | {r['worst_gap']:.3f} | {emulated} |")
     print(f"KV blocks at gpu_memory_utilization={ENGINE['gpu_memory_utilization']}: bf16 {blocks['auto']}, "
           f"fp8 {blocks['fp8']} ({blocks['fp8'] / blocks['auto']:.2f}x)")
-    return dict(table=table, blocks=blocks)
+    return dict(table=table, blocks=blocks, std=checkpoint_std)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -159,6 +183,15 @@ def test_fp8_as_good_as_the_emulated_quantisation(results, mode):
     assert fp8["worst_gap"] == fp8["worst_gap"]  # not NaN
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_tokens_within_the_margin(results, mode):
+    """On the bench checkpoint 99% of FP8's tokens are within MARGIN of the float32 argmax; on the chaotic one,
+    where the format itself moves a fifth of them further, as many as the emulation's (less 3 points)."""
+    fp8 = results["table"][mode, "fp8"]
+    bar = 0.99 if results["std"] == 0.02 else fp8["emulated_within_margin"] - 0.03
+    assert fp8["within_margin"] >= bar, fp8
+
+
 def test_fp8_cache_holds_about_twice_the_blocks(results):
-    # 132 bytes a row (128 + a float32 scale) against 256: 1.94x for the same budget
-    assert results["blocks"]["fp8"] >= 1.85 * results["blocks"]["auto"], results["blocks"]
+    # 128 bytes a row against 256: 2x for the same budget, less what the budget's rounding costs
+    assert results["blocks"]["fp8"] >= 1.95 * results["blocks"]["auto"], results["blocks"]

@@ -27,8 +27,8 @@ POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr":
             "sorted_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "floors_ptr": "*fp32", "row_seeds_ptr": "*i64",
             "values_ptr": "*fp32", "counts_ptr": "*i32", "recount_ptr": "*i32", "top_k_ptr": "*i64",
             "top_p_ptr": "*fp32", "min_p_ptr": "*fp32"}
-# an FP8 KV cache: float8 e4m3 rows and float32 scales
-FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+# an FP8 KV cache: float8 e4m3 rows (its per-layer scales are float arguments)
+FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)
 NORM_ROPE = dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64)
 KERNELS = [
@@ -38,9 +38,8 @@ KERNELS = [
     # Llama-3.2-1B (no q/k norm, head_dim 64)
     (_qk_norm_rope_kernel, dict(NUM_Q_HEADS=32, NUM_K_HEADS=8, BLOCK_Q=32, BLOCK_K=8, HALF=32, STORE_KV=True,
                                 FP8_KV=False, NORM=False), {}),
-    (_decode_attention, dict(DECODE, KV_SCALES=0), {}),
-    (_decode_attention, dict(DECODE, KV_SCALES=1), FP8),
-    (_decode_attention, dict(DECODE, KV_SCALES=2), FP8),
+    (_decode_attention, dict(DECODE, FP8_KV=False), {}),
+    (_decode_attention, dict(DECODE, FP8_KV=True), FP8),
     *((_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True, HAS_FLOOR=floor,
                          HAS_ROW_SEEDS=seeds), {}) for floor in (False, True) for seeds in (False, True)),
     (_chunk_maxima, dict(CHUNK=128, GROUP=16), {}),
@@ -48,7 +47,7 @@ KERNELS = [
     *((_floors, dict(KP=32, HAS_TOP_K=k, HAS_TOP_P=p, HAS_MIN_P=m), {})
       for k, p, m in ((True, True, True), (True, False, False), (False, False, True))),
     (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024), {}),
-    (_store_kvcache_fp8_kernel, dict(NUM_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128), FP8),
+    (_store_kvcache_fp8_kernel, dict(D=1024, BLOCK_D=1024), FP8),
     (_silu_and_mul_kernel, dict(BLOCK=1024), {}),
     # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape
     *((_grouped_matmul, dict(A_ROW_DIVISOR=divisor, MUL_WEIGHTS=divisor == 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), {})
@@ -69,7 +68,8 @@ for kernel, constexprs, overrides in KERNELS:
         elif name.endswith("_ptr"):
             types[name] = "*bf16"
         else:
-            types[name] = "fp32" if name in ("eps", "scale_log2") else "i32"
+            floats = ("eps", "scale_log2", "value_scale", "k_inverse_scale", "v_inverse_scale")
+            types[name] = "fp32" if name in floats else "i32"
     names = list(types)
     try:
         # as the runtime specialises them: tensors 16-byte aligned (without it the compiler neither vectorises

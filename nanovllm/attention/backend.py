@@ -5,22 +5,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.attention.kv_quant import FP8
 from nanovllm.utils.context import Context
 
 
 @dataclass
 class LayerKV:
     """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous. An FP8
-    cache (attention/kv_quant.py) also has each row's float32 scale, [blocks, block_size, kv_heads] each."""
+    cache (attention/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
+    fixed before the first write (plain numbers: kernels take them as arguments, CUDA graphs capture them)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def quantized(self) -> bool:
-        return self.k_scale is not None
+        return self.k.dtype == FP8
 
 
 class AttentionBackend:

@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
-from nanovllm.attention.kv_quant import dequantize_rows, quantize_heads
+from nanovllm.attention.kv_quant import dequantize, to_fp8
 from nanovllm.utils.context import Context
 
 
@@ -26,41 +26,34 @@ def _store_kvcache_kernel(
 
 @triton.jit
 def _store_kvcache_fp8_kernel(
-    key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-    slot_mapping_ptr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_inverse_scale,
+    v_inverse_scale, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot == -1:
         return
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
-    offsets = heads[:, None] * HEAD_DIM + dims[None, :]
-    rows = slot * NUM_HEADS * HEAD_DIM + offsets
-    key, key_scale = quantize_heads(tl.load(key_ptr + token * key_stride + offsets, mask=mask, other=0.0),
-                                    k_cache_ptr.dtype.element_ty)
-    value, value_scale = quantize_heads(tl.load(value_ptr + token * value_stride + offsets, mask=mask, other=0.0),
-                                        v_cache_ptr.dtype.element_ty)
-    tl.store(k_cache_ptr + rows, key, mask=mask)
-    tl.store(v_cache_ptr + rows, value, mask=mask)
-    tl.store(k_scale_ptr + slot * NUM_HEADS + heads, key_scale, mask=heads < NUM_HEADS)
-    tl.store(v_scale_ptr + slot * NUM_HEADS + heads, value_scale, mask=heads < NUM_HEADS)
+    offsets = tl.arange(0, BLOCK_D)
+    mask = offsets < D
+    key = tl.load(key_ptr + token * key_stride + offsets, mask=mask, other=0.0)
+    value = tl.load(value_ptr + token * value_stride + offsets, mask=mask, other=0.0)
+    tl.store(k_cache_ptr + slot * D + offsets, to_fp8(key, k_inverse_scale, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + slot * D + offsets, to_fp8(value, v_inverse_scale, v_cache_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
     """Token i's K/V rows [tokens, kv_heads, head_dim] into cache slot slot_mapping[i] (-1 = skip), one program
-    per token, quantised with a scale per row if the cache is FP8. k and v may be views into the packed qkv row."""
+    per token, quantised with the layer's scales if the cache is FP8. k and v may be views into the packed qkv
+    row."""
     num_tokens, num_heads, head_dim = k.shape
     D = num_heads * head_dim
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(1) == head_dim and v.stride(1) == head_dim
     assert cache.k.is_contiguous() and cache.v.is_contiguous() and slot_mapping.numel() == num_tokens
     if cache.quantized:
-        assert cache.k_scale.is_contiguous() and cache.v_scale.is_contiguous()
         _store_kvcache_fp8_kernel[(num_tokens,)](
-            k, k.stride(0), v, v.stride(0), cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping,
-            num_heads, head_dim, triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim),
+            k, k.stride(0), v, v.stride(0), cache.k, cache.v, slot_mapping, 1.0 / cache.k_scale,
+            1.0 / cache.v_scale, D, triton.next_power_of_2(D),
         )
         return
     _store_kvcache_kernel[(num_tokens,)](
@@ -68,16 +61,14 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping
     )
 
 
-def dequantized_blocks(cache: LayerKV, block_tables: torch.Tensor,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flash-attn reads no FP8 cache: the blocks these tables use, each once, dequantised into new [blocks,
-    block_size, kv_heads, head_dim] tensors, and the tables renumbered to point into them. Only prefills over a
-    cached prefix come here (a prefix-cache hit, a later chunk, a preempted sequence's recompute); the scratch
-    is as large as those sequences' contexts in `dtype`, and lives for one layer."""
-    blocks, tables = torch.unique(block_tables, return_inverse=True)
-    k = dequantize_rows(cache.k[blocks], cache.k_scale[blocks], dtype)
-    v = dequantize_rows(cache.v[blocks], cache.v_scale[blocks], dtype)
-    return k, v, tables.to(torch.int32)
+def dequantized_blocks(cache: LayerKV, context: Context, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash-attn reads no FP8 cache: the blocks this step's tables use (context.used_blocks, each once, found by
+    the host with the tables, so no layer waits for the device), dequantised into new [blocks, block_size,
+    kv_heads, head_dim] tensors that context.used_block_tables point into. Only prefills over a cached prefix
+    come here (a prefix-cache hit, a later chunk, a preempted sequence's recompute); the scratch is as large
+    as those sequences' contexts in `dtype`, and lives for one layer."""
+    return (dequantize(cache.k[context.used_blocks], cache.k_scale, dtype),
+            dequantize(cache.v[context.used_blocks], cache.v_scale, dtype))
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -101,7 +92,7 @@ class FlashAttnBackend(AttentionBackend):
         if block_tables is not None:  # a cached prefix: read all keys from the paged cache
             k, v = cache.k, cache.v
             if cache.quantized:
-                k, v, block_tables = dequantized_blocks(cache, block_tables, q.dtype)
+                (k, v), block_tables = dequantized_blocks(cache, context, q.dtype), context.used_block_tables
         return flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
             max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,

@@ -11,8 +11,8 @@ from nanovllm.attention.kv_quant import FP8
 class KVCacheLayout:
     """The one place that knows how the paged KV cache is laid out: one tensor
     [K and V, layers, blocks, tokens per block, this rank's KV heads, head_dim]; token t of block b sits at slot
-    b * block_size + t of every layer's K and V. An FP8 cache adds one float32 scale per row in a second tensor
-    [K and V, layers, blocks, tokens per block, KV heads] (attention/kv_quant.py)."""
+    b * block_size + t of every layer's K and V. An FP8 cache has one key scale and one value scale per layer
+    (attention/kv_quant.py), numbers kept by each layer's LayerKV."""
 
     num_layers: int
     block_size: int
@@ -29,22 +29,17 @@ class KVCacheLayout:
 
     @property
     def block_bytes(self) -> int:
-        scales = math.prod(self.shape(1)[:-1]) * torch.float32.itemsize if self.quantized else 0
-        return math.prod(self.shape(1)) * self.dtype.itemsize + scales
+        return math.prod(self.shape(1)) * self.dtype.itemsize
 
-    def copy_blocks(self, tensors: tuple[torch.Tensor, ...], copies: list[tuple[int, int]]) -> None:
-        """Copy each (source, destination) block's K and V (and their scales) in every layer."""
-        source, destination = (torch.tensor(ids, device=tensors[0].device) for ids in zip(*copies))
-        for tensor in tensors:
-            tensor[:, :, destination] = tensor[:, :, source]
+    def copy_blocks(self, cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block's K and V in every layer."""
+        source, destination = (torch.tensor(ids, device=cache.device) for ids in zip(*copies))
+        cache[:, :, destination] = cache[:, :, source]
 
-    def allocate(self, num_blocks: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], list[LayerKV]]:
-        """The cache tensor (and the scales tensor of an FP8 cache) and each layer's views of them."""
+    def allocate(self, num_blocks: int, device: torch.device,
+                 scales: list[tuple[float, float]] | None = None) -> tuple[torch.Tensor, list[LayerKV]]:
+        """The cache tensor and each layer's views of it; an FP8 cache needs each layer's (key, value) scales."""
+        assert (scales is not None) == self.quantized and (scales is None or len(scales) == self.num_layers)
         cache = torch.empty(self.shape(num_blocks), dtype=self.dtype, device=device)
-        if not self.quantized:
-            return (cache,), [LayerKV(cache[0, i], cache[1, i]) for i in range(self.num_layers)]
-        # ones, not garbage: a padding row of a block table may point at a never-written block (it is masked
-        # out, but a NaN scale times a zero weight would still be NaN in a sum)
-        scales = torch.ones(self.shape(num_blocks)[:-1], dtype=torch.float32, device=device)
-        return (cache, scales), [LayerKV(cache[0, i], cache[1, i], scales[0, i], scales[1, i])
-                                 for i in range(self.num_layers)]
+        scales = scales or [(1.0, 1.0)] * self.num_layers
+        return cache, [LayerKV(cache[0, i], cache[1, i], *scales[i]) for i in range(self.num_layers)]

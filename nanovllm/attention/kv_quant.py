@@ -1,10 +1,9 @@
-"""FP8 KV cache: keys and values stored as float8 e4m3, each row (one token's one KV head) with its own float32
-scale, written with the row. The scale is the row's largest magnitude / 448 (e4m3's largest finite value), so
-nothing saturates, no calibration is needed, and any finite input stays finite (docs/fp8_kv_cache.md says why
-this granularity and not one static scale per layer).
+"""FP8 KV cache: keys and values stored as float8 e4m3 with one scale for a layer's keys and one for its values
+(per tensor, as vLLM, TensorRT-LLM and FlashInfer keep them): x ~= fp8 * scale. A scale is a plain number fixed
+before the cache is first written (attention/kv_scales.py says where it comes from), so readers fold it into the
+softmax scale and the output and multiply nothing per element.
 
-The torch functions here are the reference the Triton writers and the decode kernel are tested against, and the
-CPU backend's own path.
+The torch functions here are the reference the Triton writers are tested against, and the CPU backend's own path.
 """
 import torch
 import triton
@@ -13,8 +12,6 @@ import triton.language as tl
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# a row of zeros gets this scale instead of 0, so quantising it divides by something (and gives zeros)
-MIN_SCALE = 1e-30
 
 
 def check_kv_cache_dtype(name: str) -> None:
@@ -38,31 +35,18 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
     return FP8
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> (float8 e4m3 [..., head_dim], float32 scale [...]) with x ~= fp8 * scale.
-
-    Division (not multiplication by a reciprocal) and the clamp are what the Triton writers do too, so the
-    results are bit-identical on the GPU."""
-    x = x.float()
-    amax = x.abs().amax(-1)
-    # divided by a tensor: torch on CUDA turns division by a Python scalar into multiplication by its reciprocal,
-    # which is not the correctly rounded quotient the kernels compute
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
-    return (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8 e4m3, clamped to +-448: a value past the layer's range saturates instead of becoming
+    NaN. The writers multiply by the float32 reciprocal as this does, so the GPU writes the same bits."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def dequantize_rows(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of quantize_rows (exact up to the quantisation itself), in `dtype`."""
-    return (x.float() * scale.unsqueeze(-1)).to(dtype)
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of quantize (exact up to the quantisation itself), in `dtype`."""
+    return (x.float() * scale).to(dtype)
 
 
-def quantize_static(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """One scale for a whole layer (vLLM's default, 1.0 without calibration): values past 448 * scale clamp.
-    Only for measuring against the per-row scales (benchmarks/fp8_kv_accuracy.py); the engine does not use it."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-_FP8_MAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # kernels read constexpr globals only
+_FP8_MAX = tl.constexpr(FP8_MAX)  # kernels read constexpr globals only
 
 
 @triton.jit
@@ -84,23 +68,9 @@ def _round_to_e4m3(y):
     return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
 
 
-# The Triton side of quantize_rows, for the kernels that write the cache. div_rn: the correctly rounded
-# division torch does, not the faster approximate one, so the GPU writes the same bits as the reference.
 @triton.jit
-def fp8_scale(amax):
-    """A row's scale from its largest magnitude (float32)."""
-    return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _MIN_SCALE)
-
-
-@triton.jit
-def to_fp8(x, scale, FP8_DTYPE: tl.constexpr):
-    """x [rows, n] (any float dtype) / scale [rows] as float8."""
-    y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -_FP8_MAX, _FP8_MAX)
+def to_fp8(x, inverse_scale, FP8_DTYPE: tl.constexpr):
+    """The Triton side of quantize: x (any float dtype) times the layer's 1 / scale (a float32 argument), as
+    float8."""
+    y = tl.clamp(x.to(tl.float32) * inverse_scale, -_FP8_MAX, _FP8_MAX)
     return _round_to_e4m3(y).to(FP8_DTYPE)
-
-
-@triton.jit
-def quantize_heads(x, FP8_DTYPE: tl.constexpr):
-    """[heads, head_dim] rows -> (float8 rows, float32 scale per row)."""
-    scale = fp8_scale(tl.max(tl.abs(x.to(tl.float32)), 1))
-    return to_fp8(x, scale, FP8_DTYPE), scale

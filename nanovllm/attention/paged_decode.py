@@ -8,12 +8,14 @@ slice of a sequence to finish merges the slices by their log-sum-exp.
 An FP8 cache (attention/kv_quant.py) halves the bytes read. Its rows are widened to float16, not bf16: e4m3 ->
 float16 is one instruction per pair on Hopper (to bf16 it is a sequence of integer ops, which made the kernel
 slower than on a bf16 cache), every e4m3 value is exact in float16, and so is the bf16 query in the range
-attention sees. The scales are applied to the dot products' results: a key's to its column of logits, a value's
-to its probability (divided by the chunk's largest value scale, so the float16 weights stay in [0, 1]).
+attention sees. The layer's key scale is folded into the softmax scale and its value scale into the output, so
+nothing is multiplied per element.
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.attention.kv_quant import FP8
 
 
 def default_max_splits(batch: int, num_kv_heads: int) -> int:
@@ -27,14 +29,14 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
 
 @triton.jit
 def _decode_attention(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, context_lens_ptr, out_ptr,
-    part_out_ptr, part_lse_ptr, counters_ptr, scale_log2, split_len, num_splits, q_stride, out_stride, bt_stride,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    counters_ptr, scale_log2, value_scale, split_len, num_splits, q_stride, out_stride, bt_stride,
     cache_block_stride, cache_token_stride, cache_head_stride,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, KV_SCALES: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, FP8_KV: tl.constexpr,
 ):
-    # KV_SCALES: 0 no scales (a bf16 cache), 1 one per row (the engine's FP8 cache, [blocks, PAGE, kv_heads]),
-    # 2 one for all of K and one for all of V (a static per-layer scale, for benchmarks/microbench_fp8_decode.py)
+    # scale_log2: the softmax scale (times the key scale of an FP8 cache) in base 2; value_scale: an FP8 cache's
+    # value scale, applied once to each slice's output
     # KV heads vary fastest in the grid: the programs of one sequence's heads start together and read the same
     # cache rows (a token's heads sit side by side), which HBM serves faster than one head of many sequences
     kv_head = tl.program_id(0)
@@ -57,11 +59,8 @@ def _decode_attention(
     end = tl.minimum(start + split_len, context_len)
 
     q = tl.load(q_ptr + seq * q_stride + heads[:, None] * HEAD_DIM + dims[None, :], mask=head_mask[:, None], other=0.0)
-    if KV_SCALES != 0:
+    if FP8_KV:
         q = q.to(tl.float16)
-    if KV_SCALES == 2:
-        k_layer_scale = tl.load(k_scale_ptr)
-        v_layer_scale = tl.load(v_scale_ptr)
     running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denominator = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -75,26 +74,15 @@ def _decode_attention(
         k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k)) * scale_log2  # base-2 logits: exp2 is the cheap instruction
-        if KV_SCALES == 1:
-            rows = page * PAGE * NUM_KV_HEADS + (tokens % PAGE) * NUM_KV_HEADS + kv_head
-            scores = scores * tl.load(k_scale_ptr + rows, mask=valid, other=0.0)[None, :]
-        elif KV_SCALES == 2:
-            scores = scores * k_layer_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         probs = tl.exp2(scores - new_max[:, None])
         rescale = tl.exp2(running_max - new_max)
         denominator = denominator * rescale + tl.sum(probs, 1)
-        if KV_SCALES == 1:
-            v_scales = tl.load(v_scale_ptr + rows, mask=valid, other=0.0)
-            chunk_scale = tl.max(v_scales, 0)  # > 0: a chunk holds at least one valid row
-            pv = tl.dot((probs * (v_scales / chunk_scale)[None, :]).to(v.dtype), v) * chunk_scale
-        elif KV_SCALES == 2:
-            pv = tl.dot(probs.to(v.dtype), v) * v_layer_scale
-        else:
-            pv = tl.dot(probs.to(v.dtype), v)
-        acc = acc * rescale[:, None] + pv
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v)
         running_max = new_max
+    if FP8_KV:
+        acc = acc * value_scale
 
     if slices == 1:
         tl.store(out_rows, (acc / denominator[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
@@ -126,14 +114,17 @@ def _decode_attention(
         tl.atomic_xchg(counter, 0)
 
 
+# (BLOCK_N, num_warps, num_stages) per cache dtype, from benchmarks/microbench_fp8_decode.py --sweep on an H200
+TUNED = {False: (64, 4, 2), True: (64, 2, 2)}
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           counters: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                           num_stages: int = 2, max_splits: int | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           counters: torch.Tensor | None = None, block_n: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None, max_splits: int | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [blocks, page, kv_heads, head_dim]; block_tables [batch, width] int32.
-    An FP8 cache comes with float32 scales: k_scale/v_scale [blocks, page, kv_heads] (one per row), or [1]
-    each (one per layer).
+    An FP8 cache holds K / k_scale and V / v_scale (one number each for the layer).
 
     Returns [batch, heads, head_dim]: sequence i attends to its first context_lens[i] cached tokens (a row
     with context 0, as CUDA-graph padding has, gets zeros). `counters` is int32 scratch of at least
@@ -142,20 +133,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim
-    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride() and k_cache.dtype == v_cache.dtype
     assert block_tables.stride(1) == 1 and head_dim == triton.next_power_of_2(head_dim)
-    kv_scales = 0
-    if k_scale is not None:
-        kv_scales = 2 if k_scale.numel() == 1 else 1
-        assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.shape == v_scale.shape
-        assert kv_scales == 2 or (k_scale.shape == k_cache.shape[:3] and k_scale.is_contiguous()
-                                  and v_scale.is_contiguous())
-    else:
-        assert k_cache.dtype == q.dtype, f"a {k_cache.dtype} cache needs its scales"
+    fp8 = k_cache.dtype == FP8
+    assert fp8 or (k_cache.dtype == q.dtype and k_scale == v_scale == 1.0)
     if counters is None:
         counters = torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=q.device)
     assert counters.numel() >= batch * num_kv_heads and counters.dtype == torch.int32
-    block_n = min(block_n, page)
+    tuned_block_n, tuned_warps, tuned_stages = TUNED[fp8]
+    block_n = min(block_n or tuned_block_n, page)
     max_splits = max_splits or default_max_splits(batch, num_kv_heads)
     # a static split count (the grid must not depend on device values under CUDA graphs): the widest table
     # holds width * page tokens; slices are whole chunks, sized so at most max_splits are needed
@@ -166,12 +152,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _decode_attention[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale * 1.4426950408889634, split_len, num_splits, q.stride(0), out.stride(0), block_tables.stride(0),
-        *k_cache.stride()[:3],
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
+        scale * k_scale * 1.4426950408889634, v_scale, split_len, num_splits, q.stride(0), out.stride(0),
+        block_tables.stride(0), *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), KV_SCALES=kv_scales, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), FP8_KV=fp8,
+        num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )
     return out

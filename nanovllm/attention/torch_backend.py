@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
-from nanovllm.attention.kv_quant import dequantize_rows, quantize_rows
+from nanovllm.attention.kv_quant import dequantize, quantize
 from nanovllm.utils.context import Context
 
 
@@ -13,16 +13,16 @@ def store_kvcache_torch(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_m
         cache.k.view(-1, *k.shape[1:])[slots] = k[keep]
         cache.v.view(-1, *v.shape[1:])[slots] = v[keep]
         return
-    for x, rows, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
-        rows.view(-1, *x.shape[1:])[slots], scales.view(-1, x.size(1))[slots] = quantize_rows(x[keep])
+    cache.k.view(-1, *k.shape[1:])[slots] = quantize(k[keep], cache.k_scale)
+    cache.v.view(-1, *v.shape[1:])[slots] = quantize(v[keep], cache.v_scale)
 
 
 def cached_rows(cache: LayerKV, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of `blocks` in order, [len(blocks) * block_size, kv_heads, head_dim], in `dtype`."""
     if not cache.quantized:
         return cache.k[blocks].flatten(0, 1), cache.v[blocks].flatten(0, 1)
-    return (dequantize_rows(cache.k[blocks], cache.k_scale[blocks], dtype).flatten(0, 1),
-            dequantize_rows(cache.v[blocks], cache.v_scale[blocks], dtype).flatten(0, 1))
+    return (dequantize(cache.k[blocks], cache.k_scale, dtype).flatten(0, 1),
+            dequantize(cache.v[blocks], cache.v_scale, dtype).flatten(0, 1))
 
 
 class TorchBackend(AttentionBackend):

@@ -17,10 +17,12 @@ def decode_views(buffer: torch.Tensor, rows: int, width: int) -> dict[str, torch
 
 
 class InputBuilder:
-    def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, max_blocks_per_seq: int, device: torch.device,
+                 quantized_cache: bool = False) -> None:
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
+        self.quantized_cache = quantized_cache
 
     @staticmethod
     def _fill_block_tables(table: np.ndarray, seqs: list[Sequence]) -> np.ndarray:
@@ -50,18 +52,25 @@ class InputBuilder:
             prefix_cached |= start > 0
             if seq.block_table:  # the warmup pass has no cache to write to
                 slots.append(self._slots(seq, start, end))
-        block_tables = None
+        block_tables = used_blocks = used_block_tables = None
         if prefix_cached:
             width = max(len(seq.block_table) for seq in seqs)
             table = self._fill_block_tables(np.zeros((len(seqs), width), np.int32), seqs)
             block_tables = to_device(table, self.device)
+            if self.quantized_cache:  # flash-attn reads dequantised copies of these blocks
+                blocks = np.unique(np.concatenate([seq.block_table for seq in seqs]))
+                # padding entries (block 0) land on some used block: past a sequence's length, never read
+                renumbered = np.searchsorted(blocks, table).clip(max=len(blocks) - 1).astype(np.int32)
+                used_blocks = to_device(blocks.astype(np.int64), self.device)
+                used_block_tables = to_device(renumbered, self.device)
         set_context(
             is_prefill=True,
             cu_seqlens_q=to_device(np.array(cu_seqlens_q, dtype=np.int32), self.device),
             cu_seqlens_k=to_device(np.array(cu_seqlens_k, dtype=np.int32), self.device),
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
             slot_mapping=to_device(np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64), self.device),
-            block_tables=block_tables,
+            block_tables=block_tables, used_blocks=used_blocks,
+            used_block_tables=used_block_tables,
         )
         return (to_device(np.array(input_ids, dtype=np.int64), self.device),
                 to_device(np.concatenate(positions).astype(np.int64), self.device))

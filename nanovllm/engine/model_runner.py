@@ -1,11 +1,13 @@
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.attention import KVCacheLayout, make_attention_backend
 from nanovllm.attention.kv_quant import kv_cache_dtype
+from nanovllm.attention.kv_scales import checkpoint_kv_scales, measured_kv_scales
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
@@ -57,19 +59,38 @@ class ModelRunner:
             # compiled under another one than generate() runs with would all be recompiled in the first run
             torch.set_default_device("cpu")
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        checkpoint_scales = load_model(self.model, config.model)
         if config.fp8 is not None:
             # the KV cache is sized from the memory left after this, so it gets whatever FP8 saves
             summary = finish_fp8(self.model, config.fp8, self.dtype)
             if rank == 0:
                 logger.info("FP8 weights: %s", summary.describe())
         self.sampler = Sampler(config.eos_token_ids, self.device)
-        self.inputs = InputBuilder(self.block_size, -(-config.max_model_len // self.block_size), self.device)
         self.kv_layout = KVCacheLayout(hf_config.num_hidden_layers, self.block_size,
                                        hf_config.num_key_value_heads // self.tp.size, head_dim(hf_config),
                                        kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device))
+        self.inputs = InputBuilder(self.block_size, -(-config.max_model_len // self.block_size), self.device,
+                                   self.kv_layout.quantized)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # an FP8 cache's (key, value) scales per layer: the checkpoint's, or measured by the start-up pass
+        self.kv_scales = None
+        if self.kv_layout.quantized:
+            self.kv_scales = checkpoint_kv_scales(checkpoint_scales, len(self.attention_layers))
+        measure = self.kv_layout.quantized and self.kv_scales is None
+        for layer in self.attention_layers if measure else []:
+            layer.kv_amax = torch.zeros(2, device=self.device)
         reach("loaded")
-        self.warmup_model()
+        if self.use_cuda or measure:
+            self.warmup_model()
+        if measure:
+            amax = torch.stack([layer.kv_amax for layer in self.attention_layers]).tolist()
+            for layer in self.attention_layers:
+                layer.kv_amax = None
+            self.kv_scales = measured_kv_scales(amax)
+        if self.kv_scales is not None and rank == 0:
+            logger.info("FP8 KV cache scales %s: keys %.3g-%.3g, values %.3g-%.3g",
+                        "measured at start-up" if measure else "from the checkpoint",
+                        *(f(scale[i] for scale in self.kv_scales) for i in (0, 1) for f in (min, max)))
         reach("warmed up")
         self.allocate_kv_cache()
         reach("allocated")
@@ -86,14 +107,18 @@ class ModelRunner:
 
     # --- startup -----------------------------------------------------------------------------------------
     def warmup_model(self) -> None:
-        """Run the largest prefill once so the peak memory of activations is known before sizing the KV cache."""
-        if not self.use_cuda:
-            return
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        """Run the largest prefill once so the peak memory of activations is known before sizing the KV cache
+        (and an FP8 cache's scales are measured: on CPU only that, on a shorter pass)."""
+        if self.use_cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         seq_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
+        if not self.use_cuda:
+            seq_len = min(seq_len, 512)
         num_seqs = max(1, min(self.config.max_num_batched_tokens // seq_len, self.config.max_num_seqs))
-        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
+        # varied token ids, not one repeated: the pass measures the keys and values an FP8 cache must hold
+        token_ids = np.random.default_rng(0).integers(0, self.config.hf_config.vocab_size, (num_seqs, seq_len))
+        seqs = [Sequence(ids.tolist(), block_size=self.block_size) for ids in token_ids]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
         try:
@@ -102,6 +127,8 @@ class ModelRunner:
             raise ValueError(f"a prefill of max_num_batched_tokens={self.config.max_num_batched_tokens} tokens "
                              f"({num_seqs} x {seq_len}) does not fit in GPU memory: lower max_num_batched_tokens "
                              f"or max_model_len") from error
+        if not self.use_cuda:
+            return
         # compiled layers specialise size 1 apart from other sizes: compile that case now, not in a timed run
         one = Sequence([0], block_size=self.block_size)
         one.num_scheduled_tokens = 1
@@ -152,9 +179,8 @@ class ModelRunner:
             logger.info("KV cache: %d blocks of %d tokens (%.2f MiB each), %s (kv_cache_dtype=%r)",
                         self.num_kvcache_blocks, self.block_size, block_bytes / 2**20,
                         str(self.kv_layout.dtype).removeprefix("torch."), self.config.kv_cache_dtype)
-        self.kv_cache, layer_caches = self.kv_layout.allocate(self.num_kvcache_blocks, self.device)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer, cache in zip(layers, layer_caches, strict=True):
+        self.kv_cache, layer_caches = self.kv_layout.allocate(self.num_kvcache_blocks, self.device, self.kv_scales)
+        for layer, cache in zip(self.attention_layers, layer_caches, strict=True):
             layer.cache = cache
         # a running request holds at least one block, so no batch is larger than the cache has blocks
         self.max_batch = min(self.config.max_num_seqs, self.num_kvcache_blocks)

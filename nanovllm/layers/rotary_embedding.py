@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.attention.kv_quant import fp8_scale, to_fp8
+from nanovllm.attention.kv_quant import FP8, to_fp8
 from nanovllm.layers import fused
 
 
@@ -95,8 +95,8 @@ def _norm_rope_heads(x_ptr, weight_ptr, cos, sin, eps,
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, positions_ptr, cos_sin_ptr, q_weight_ptr,
-                         k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                         slot_mapping_ptr, eps, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
+                         k_weight_ptr, q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps,
+                         k_inverse_scale, v_inverse_scale, NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr,
                          BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr, STORE_KV: tl.constexpr,
                          FP8_KV: tl.constexpr, NORM: tl.constexpr):
     # q and k in separate programs: twice the programs of one per token, each half as long (small batches
@@ -125,20 +125,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, posi
                 v_in, v_out = v_ptr + token * v_stride + k_offsets, v_cache_ptr + row + k_offsets
                 v1 = tl.load(v_in, mask=k_mask, other=0.0)
                 v2 = tl.load(v_in + HALF, mask=k_mask, other=0.0)
-                if FP8_KV:  # the rows as rounded to the model's dtype, quantised as kv_quant.quantize_rows does
-                    heads = tl.arange(0, BLOCK_K)
-                    k_scale = fp8_scale(tl.maximum(tl.max(tl.abs(k1.to(tl.float32)), 1),
-                                                   tl.max(tl.abs(k2.to(tl.float32)), 1)))
-                    v_scale = fp8_scale(tl.maximum(tl.max(tl.abs(v1.to(tl.float32)), 1),
-                                                   tl.max(tl.abs(v2.to(tl.float32)), 1)))
-                    tl.store(k_scale_ptr + slot * NUM_K_HEADS + heads, k_scale, mask=heads < NUM_K_HEADS)
-                    tl.store(v_scale_ptr + slot * NUM_K_HEADS + heads, v_scale, mask=heads < NUM_K_HEADS)
-                    # (stored in this branch: the compiler keeps a variable's type across an if)
+                if FP8_KV:  # the rows as rounded to the model's dtype, quantised as kv_quant.quantize does
                     fp8 = k_cache_ptr.dtype.element_ty
-                    tl.store(k_cache_ptr + row + k_offsets, to_fp8(k1, k_scale, fp8), mask=k_mask)
-                    tl.store(k_cache_ptr + row + k_offsets + HALF, to_fp8(k2, k_scale, fp8), mask=k_mask)
-                    tl.store(v_out, to_fp8(v1, v_scale, fp8), mask=k_mask)
-                    tl.store(v_out + HALF, to_fp8(v2, v_scale, fp8), mask=k_mask)
+                    tl.store(k_cache_ptr + row + k_offsets, to_fp8(k1, k_inverse_scale, fp8), mask=k_mask)
+                    tl.store(k_cache_ptr + row + k_offsets + HALF, to_fp8(k2, k_inverse_scale, fp8), mask=k_mask)
+                    tl.store(v_out, to_fp8(v1, v_inverse_scale, fp8), mask=k_mask)
+                    tl.store(v_out + HALF, to_fp8(v2, v_inverse_scale, fp8), mask=k_mask)
                 else:
                     tl.store(k_cache_ptr + row + k_offsets, k1, mask=k_mask)
                     tl.store(k_cache_ptr + row + k_offsets + HALF, k2, mask=k_mask)
@@ -154,8 +146,8 @@ class KVDestination:
     k_cache: torch.Tensor  # [blocks, page, kv_heads, head_dim], contiguous
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    k_scale: torch.Tensor | None = None  # an FP8 cache's scales, [blocks, page, kv_heads] (attention/kv_quant.py)
-    v_scale: torch.Tensor | None = None
+    k_scale: float = 1.0  # an FP8 cache's per-layer scales (attention/kv_quant.py)
+    v_scale: float = 1.0
 
 
 def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
@@ -180,16 +172,15 @@ def qk_norm_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_we
     if dest is not None:
         assert dest.v.stride(1) == head_dim and dest.v.stride(2) == 1 and dest.slot_mapping.numel() == num_tokens
         assert dest.k_cache.is_contiguous() and dest.v_cache.is_contiguous()
-        assert dest.k_scale is None or (dest.k_scale.is_contiguous() and dest.v_scale.is_contiguous())
-    fp8 = dest is not None and dest.k_scale is not None
+    fp8 = dest is not None and dest.k_cache.dtype == FP8
     if num_tokens:
         _qk_norm_rope_kernel[(num_tokens, 2)](
             q, k, k if dest is None else dest.v, q.stride(0), k.stride(0), 0 if dest is None else dest.v.stride(0),
             positions, cos_sin_cache, q_weight if norm else cos_sin_cache, k_weight if norm else cos_sin_cache,
             q_out, k_out,
             *((k_out, k_out) if dest is None else (dest.k_cache, dest.v_cache)),
-            *((dest.k_scale, dest.v_scale) if fp8 else (k_out, k_out)),
             positions if dest is None else dest.slot_mapping, eps,
+            *((1.0 / dest.k_scale, 1.0 / dest.v_scale) if fp8 else (1.0, 1.0)),
             NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, BLOCK_Q=triton.next_power_of_2(num_q_heads),
             BLOCK_K=triton.next_power_of_2(num_k_heads), HALF=head_dim // 2, STORE_KV=dest is not None,
             FP8_KV=fp8, NORM=norm,

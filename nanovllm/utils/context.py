@@ -15,6 +15,10 @@ class Context:
     slot_mapping: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
+    # a prefill over an FP8 cache's prefix: the distinct blocks block_tables use, and the tables renumbered to
+    # index into them (flash_attn_backend.dequantized_blocks)
+    used_blocks: torch.Tensor | None = None
+    used_block_tables: torch.Tensor | None = None
 
 
 _CONTEXT = Context()

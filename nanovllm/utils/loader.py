@@ -7,6 +7,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nanovllm.attention.kv_scales import kv_scale_name
+
 INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None  # which part of a packed parameter a checkpoint tensor fills; None: the whole of it
 
@@ -111,8 +113,9 @@ def _some(names: list[str], limit: int = 10) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def load_model(model: nn.Module, path: str) -> None:
-    """Fill every parameter of the model from the checkpoint at `path`, each part of a packed one exactly once.
+def load_model(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """Fill every parameter of the model from the checkpoint at `path`, each part of a packed one exactly once;
+    return the checkpoint's KV-cache scales by name (attention/kv_scales.py), which no parameter takes.
 
     The loader only maps names; each parameter's weight_loader knows which slice its rank keeps and checks the full
     tensor's shape. Names are checked against the files' headers before any tensor is read, so a missing, extra or
@@ -122,7 +125,8 @@ def load_model(model: nn.Module, path: str) -> None:
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
         {name for name, _ in model.named_parameters()}
     sources = locate_tensors(path)
-    unknown = sorted(name for name in sources if name not in targets and name not in aliases)
+    kv_scales = {name: file for name, file in sources.items() if kv_scale_name(name) is not None}
+    unknown = sorted(name for name in sources if name not in targets and name not in aliases and name not in kv_scales)
     if unknown:
         raise ValueError(f"checkpoint tensor(s) {_some(unknown)} in {path} match no model parameter")
     missing = sorted(name for name in targets if name not in sources)
@@ -145,3 +149,8 @@ def load_model(model: nn.Module, path: str) -> None:
                     loader(param, loaded) if shard_id is None else loader(param, loaded, shard_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r} in {file}: {e}") from e
+    scales = {}
+    for name, file in kv_scales.items():
+        with _open(file) as f:
+            scales[name] = f.get_tensor(name)
+    return scales
