@@ -31,8 +31,8 @@ WORKLOADS: dict[str, dict] = {
                          max_output_len=800, max_model_len=16384),
     # more context than a bf16 cache holds at once (about 1.15M tokens for the 0.6B shape on a 141 GB GPU): bf16
     # must queue and preempt, an FP8 cache (twice the tokens) runs them together
-    "capacity": dict(num_seqs=512, min_input_len=1000, max_input_len=4000, min_output_len=500,
-                     max_output_len=1500, max_model_len=8192),
+    "capacity": dict(num_seqs=512, min_input_len=1000, max_input_len=4000, min_output_len=200,
+                     max_output_len=800, max_model_len=8192),
     # prefill is most of the run, where FP8 matmuls gain most
     "prefill-heavy": dict(num_seqs=512, min_input_len=1024, max_input_len=3072, min_output_len=16,
                           max_output_len=64, max_model_len=4096),
@@ -126,7 +126,8 @@ def fresh_token_ids(prompts: list[list[int]], max_id: int, run: int) -> list[lis
     return [[rng.randint(0, max_id) for _ in prompt] for prompt in prompts]
 
 
-KERNEL_CLASSES = [("attention", ("flash", "decode_attention")), ("kv-store", ("store_kvcache",)),
+KERNEL_CLASSES = [("prefill attention", ("flash",)), ("decode attention", ("decode_attention",)),
+                  ("kv-store", ("store_kvcache",)),
                   ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "cublas")), ("fused-elementwise", ("triton_",))]
 
 

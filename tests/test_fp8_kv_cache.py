@@ -207,7 +207,7 @@ def test_prefill_over_an_fp8_prefix_matches_the_dequantised_cache():
     set_context(used_blocks=used, used_block_tables=tables)
     k, v = dequantized_blocks(cache, get_context(), torch.float32)
     reset_context()
-    assert k.size(0) == 4
+    assert k.shape == (4, page, kv_heads, head_dim) and k.dtype == v.dtype == torch.float32
     assert torch.equal(k[tables[0].long()], dequantize(cache.k[[5, 2, 7]], K_SCALE, torch.float32))
     assert torch.equal(v[tables[1, :2].long()], dequantize(cache.v[[1, 5]], V_SCALE, torch.float32))
     # the torch backend: a prefill whose first 20 keys are cached, attending over them and 4 new ones
@@ -257,6 +257,23 @@ def test_gpu_writers_write_the_reference_bits():
                   f"from torch's")
             assert differ == 0
         assert dequantize(cache.k, cache.k_scale, torch.bfloat16).isfinite().all()
+
+
+@pytest.mark.gpu
+def test_gpu_dequantized_blocks_are_the_reference_bits():
+    # bf16 on the GPU (Triton's interpreter rounds float32 to bf16 by truncation, so CPU checks float32 only)
+    gen = torch.Generator().manual_seed(4)
+    cache = fp8_cache(40, 256, 8, 128, "cuda")
+    rows = torch.randn(2, 40 * 256, 8, 128, generator=gen).cuda()
+    store_kvcache_torch(rows[0], rows[1], cache, torch.arange(40 * 256, device="cuda"))
+    used = torch.tensor([3, 17, 0, 39], device="cuda")
+    set_context(used_blocks=used)
+    try:
+        k, v = dequantized_blocks(cache, get_context(), torch.bfloat16)
+    finally:
+        reset_context()
+    assert torch.equal(k, dequantize(cache.k[used], K_SCALE, torch.bfloat16))
+    assert torch.equal(v, dequantize(cache.v[used], V_SCALE, torch.bfloat16))
 
 
 @pytest.mark.gpu

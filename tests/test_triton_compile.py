@@ -13,7 +13,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
-from nanovllm.attention.flash_attn_backend import _store_kvcache_fp8_kernel, _store_kvcache_kernel
+from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
+                                                   _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul
 from nanovllm.layers.gumbel_max import _gumbel_max
 from nanovllm.layers.sampling_floors import _chunk_maxima, _floors, _recount
@@ -26,7 +27,7 @@ POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr":
             "temperatures_ptr": "*fp32", "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "weights_ptr": "*fp32",
             "sorted_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "floors_ptr": "*fp32", "row_seeds_ptr": "*i64",
             "values_ptr": "*fp32", "counts_ptr": "*i32", "recount_ptr": "*i32", "top_k_ptr": "*i64",
-            "top_p_ptr": "*fp32", "min_p_ptr": "*fp32"}
+            "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "blocks_ptr": "*i64"}
 # an FP8 KV cache: float8 e4m3 rows (its per-layer scales are float arguments)
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)
@@ -48,6 +49,7 @@ KERNELS = [
       for k, p, m in ((True, True, True), (True, False, False), (False, False, True))),
     (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024), {}),
     (_store_kvcache_fp8_kernel, dict(D=1024, BLOCK_D=1024), FP8),
+    (_dequantize_blocks_kernel, dict(BLOCK_ELEMENTS=262144, CHUNK=4096), FP8),
     (_silu_and_mul_kernel, dict(BLOCK=1024), {}),
     # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape
     *((_grouped_matmul, dict(A_ROW_DIVISOR=divisor, MUL_WEIGHTS=divisor == 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), {})
@@ -68,7 +70,7 @@ for kernel, constexprs, overrides in KERNELS:
         elif name.endswith("_ptr"):
             types[name] = "*bf16"
         else:
-            floats = ("eps", "scale_log2", "value_scale", "k_inverse_scale", "v_inverse_scale")
+            floats = ("eps", "scale_log2", "value_scale", "k_inverse_scale", "v_inverse_scale", "k_scale", "v_scale")
             types[name] = "fp32" if name in floats else "i32"
     names = list(types)
     try:

@@ -3,7 +3,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
-from nanovllm.attention.kv_quant import dequantize, to_fp8
+from nanovllm.attention.kv_quant import to_fp8
 from nanovllm.utils.context import Context
 
 
@@ -61,14 +61,36 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping
     )
 
 
+@triton.jit
+def _dequantize_blocks_kernel(k_cache_ptr, v_cache_ptr, blocks_ptr, k_out_ptr, v_out_ptr, k_scale, v_scale,
+                              BLOCK_ELEMENTS: tl.constexpr, CHUNK: tl.constexpr):
+    used = tl.program_id(0)
+    block = tl.load(blocks_ptr + used).to(tl.int64)
+    offsets = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offsets < BLOCK_ELEMENTS
+    source, destination = block * BLOCK_ELEMENTS + offsets, used.to(tl.int64) * BLOCK_ELEMENTS + offsets
+    key = tl.load(k_cache_ptr + source, mask=mask).to(tl.float32) * k_scale
+    value = tl.load(v_cache_ptr + source, mask=mask).to(tl.float32) * v_scale
+    tl.store(k_out_ptr + destination, key.to(k_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_out_ptr + destination, value.to(v_out_ptr.dtype.element_ty), mask=mask)
+
+
 def dequantized_blocks(cache: LayerKV, context: Context, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """flash-attn reads no FP8 cache: the blocks this step's tables use (context.used_blocks, each once, found by
     the host with the tables, so no layer waits for the device), dequantised into new [blocks, block_size,
-    kv_heads, head_dim] tensors that context.used_block_tables point into. Only prefills over a cached prefix
-    come here (a prefix-cache hit, a later chunk, a preempted sequence's recompute); the scratch is as large
-    as those sequences' contexts in `dtype`, and lives for one layer."""
-    return (dequantize(cache.k[context.used_blocks], cache.k_scale, dtype),
-            dequantize(cache.v[context.used_blocks], cache.v_scale, dtype))
+    kv_heads, head_dim] tensors that context.used_block_tables point into: one kernel reads each FP8 element once
+    and writes it once in `dtype` (kv_quant.dequantize's result, bit for bit). Only prefills over a cached prefix
+    come here (a prefix-cache hit, a later chunk, a preempted sequence's recompute); the scratch is as large as
+    those sequences' contexts in `dtype`, and lives for one layer."""
+    blocks = context.used_blocks
+    k = torch.empty(blocks.numel(), *cache.k.shape[1:], dtype=dtype, device=cache.k.device)
+    v = torch.empty_like(k)
+    block_elements, chunk = cache.k[0].numel(), 4096
+    if blocks.numel():
+        _dequantize_blocks_kernel[(blocks.numel(), triton.cdiv(block_elements, chunk))](
+            cache.k, cache.v, blocks, k, v, cache.k_scale, cache.v_scale, block_elements, chunk,
+        )
+    return k, v
 
 
 class FlashAttnBackend(AttentionBackend):
