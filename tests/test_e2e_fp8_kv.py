@@ -131,3 +131,14 @@ def test_checkpoint_with_kv_scales_for_some_layers_is_refused(tiny_model, tmp_pa
     save_file(weights, f"{path}/model.safetensors")
     with pytest.raises(ValueError, match=r"not both scales of layer\(s\) \[1\] of 2"):
         LLM(path, kv_cache_dtype="fp8")
+
+
+def test_fp8_with_tensor_parallel_2(tiny_model, hf_model):
+    # each rank measures and quantises its own KV heads
+    prompts = random_prompts([300, 40, 120, 9], seed=9)
+    with LLM(tiny_model, kv_cache_dtype="fp8", tensor_parallel_size=2, num_kvcache_blocks=32,
+             kvcache_block_size=16) as llm:
+        assert llm.model_runner.kv_layout.dtype == FP8 and len(llm.model_runner.kv_scales) == 2
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    rate, mean_gap, _ = teacher_forced(hf_model, prompts, outputs)
+    assert rate >= 0.85 and mean_gap <= 0.02, (rate, mean_gap)
