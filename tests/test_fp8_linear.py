@@ -66,3 +66,23 @@ def test_group_quantization_scales_each_128_columns():
     torch.testing.assert_close(scale, torch.tensor([[1, 100], [1, 1]]) / fp8.FP8_MAX)
     assert (x8.float() == fp8.FP8_MAX).all()
     assert hasattr(F, "scaled_mm")  # the block-wise GPU path's entry point exists in this torch
+
+
+@pytest.mark.parametrize("rows,cols,group,multiple", [(5, 512, 128, 4), (4, 384, 128, 4), (3, 300, None, 1),
+                                                      (6, 2048, None, 4), (1, 128, 128, 4)])
+def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, group, multiple):
+    from nanovllm.layers.fp8_activation import quantize_activations
+
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, cols)).to(torch.bfloat16)
+    x[0, :128] = 0  # an all-zero group (or, per row, a partly zero row)
+    x[-1, -1] = 3e4  # one loud value: its group's (or row's) scale is large
+    x8, scales = quantize_activations(x, group, multiple)
+    padded = -(-rows // multiple) * multiple
+    reference, reference_scales = fp8.quantize_per_row(x) if group is None else fp8.quantize_per_group(x, group)
+    assert x8.shape == (padded, cols) and x8.dtype == fp8.FP8_DTYPE
+    assert torch.equal(x8[:rows].view(torch.uint8), reference.view(torch.uint8))
+    assert torch.equal(scales[:rows].reshape(reference_scales.shape), reference_scales)
+    assert x8[rows:].float().eq(0).all() and scales[rows:].eq(1).all()  # padding rows
+    if group is not None:  # column-major, as BlockWise1x128 reads the activation scales
+        assert scales.stride() == (1, padded)

@@ -150,10 +150,15 @@ def results(request, references) -> dict:
     for weights, (fixture, options, _, reference) in WEIGHT_MODES.items():
         path = request.getfixturevalue(fixture)
         for run, run_options in RUN_MODES.items():
+            allocated = torch.cuda.memory_allocated()
             with LLM(path, **ENGINE, **options, **run_options) as llm:
                 if run == "graph":
                     blocks[weights] = llm.model_runner.num_kvcache_blocks
                 outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            del llm
+            # each engine must give its memory back, or the next one sizes its KV cache from what is left
+            left = torch.cuda.memory_allocated() - allocated
+            assert left < 2**28, f"{weights} {run}: the engine left {left / 2**30:.2f} GiB allocated after exit"
             table[weights, run] = score(references[reference, None], prompts, outputs)
             if run == "graph" and "fp8" in weights:
                 quantized = "channel" if "load" in weights else "block"

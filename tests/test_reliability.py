@@ -1,6 +1,8 @@
 """Interrupts, impossible values, threads: the engine never leaks, never spins, and fails before any work."""
+import gc
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -185,3 +187,14 @@ def test_generate_after_exit_is_a_clear_error(tiny_model):
     with pytest.raises(RuntimeError, match="this LLM has exited"):
         llm.generate(["hello"], GREEDY)
     assert torch.is_tensor(torch.zeros(1))  # the process is fine
+
+
+def test_exit_frees_the_kv_cache_while_the_runner_and_model_are_still_held(tiny_model):
+    # a caller's variable (or a traceback) that still holds the runner or the model must not keep the cache: the
+    # next engine in the process sizes its own from the memory that is free
+    llm = LLM(tiny_model, num_kvcache_blocks=8)
+    runner, model = llm.model_runner, llm.model_runner.model
+    cache = weakref.ref(runner.kv_cache)
+    llm.exit()
+    gc.collect()
+    assert cache() is None and runner.model is None and model is not None

@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
+from nanovllm.layers.fp8_activation import _quantize_activations_kernel
 from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
                                                    _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul
@@ -51,6 +52,10 @@ KERNELS = [
     (_store_kvcache_fp8_kernel, dict(D=1024, BLOCK_D=1024), FP8),
     (_dequantize_blocks_kernel, dict(BLOCK_ELEMENTS=262144, CHUNK=4096), FP8),
     (_silu_and_mul_kernel, dict(BLOCK=1024), {}),
+    # an FP8 linear's input: per 128 columns (block checkpoints), per row (quantization="fp8", Qwen3-8B's down_proj)
+    *((_quantize_activations_kernel, dict(COLS=cols, GROUP=group, PER_ROW=per_row),
+       {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}) for cols, group, per_row in ((4096, 128, False),
+                                                                                  (12288, 1024, True))),
     # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape
     *((_grouped_matmul, dict(A_ROW_DIVISOR=divisor, MUL_WEIGHTS=divisor == 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), {})
       for divisor in (8, 1) for m, n, k in ((16, 64, 128), (32, 64, 128), (64, 128, 64))),

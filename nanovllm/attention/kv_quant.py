@@ -50,7 +50,7 @@ _FP8_MAX = tl.constexpr(FP8_MAX)  # kernels read constexpr globals only
 
 
 @triton.jit
-def _round_to_e4m3(y):
+def round_to_e4m3(y):
     """float32 y, |y| <= 448, rounded to the nearest float8 e4m3 value (ties to even), still as float32.
 
     The cast to float8 would do this itself on the GPU, but Triton's CPU interpreter rounds some values wrongly
@@ -73,4 +73,4 @@ def to_fp8(x, inverse_scale, FP8_DTYPE: tl.constexpr):
     """The Triton side of quantize: x (any float dtype) times the layer's 1 / scale (a float32 argument), as
     float8."""
     y = tl.clamp(x.to(tl.float32) * inverse_scale, -_FP8_MAX, _FP8_MAX)
-    return _round_to_e4m3(y).to(FP8_DTYPE)
+    return round_to_e4m3(y).to(FP8_DTYPE)

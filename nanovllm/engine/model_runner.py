@@ -104,6 +104,11 @@ class ModelRunner:
         if self.use_cuda:
             torch.cuda.synchronize()
         self.tp.close()
+        # the cache and the model go with the engine even while something still holds this runner or the model (a
+        # caller's variable, a traceback): the next engine in the process sizes its cache from what is free
+        for layer in self.attention_layers:
+            layer.cache = None
+        self.kv_cache = self.model = None
 
     # --- startup -----------------------------------------------------------------------------------------
     def warmup_model(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import fused
+from nanovllm.layers.fp8_activation import quantize_activations
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -92,11 +92,6 @@ def quantize_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tenso
     return _to_fp8(grouped, scale).view(rows, cols), scale.squeeze(-1)
 
 
-# compiled into one kernel each on CUDA for the forward pass; the plain versions serve loading and checkpoints,
-# where compiling for every weight shape would cost more than it saves
-_quantize_rows_fused = fused(quantize_per_row)
-_quantize_groups_fused = fused(quantize_per_group)
-
 
 def expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
     """Block scales [ceil(out/bo), ceil(in/bi)] -> one scale per element of an [out, in] weight (edge blocks cut)."""
@@ -131,21 +126,34 @@ def emulate_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return (x8.float() * x_scale) @ (weight.weight.float() * weight.scale.unsqueeze(1)).t()
 
 
+def quantized_input(x: torch.Tensor, group: int | None, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer's input as the scaled matmul takes it: e4m3 rows padded to `row_multiple` (zero rows, scale
+    1) and float32 scales per row ([padded, 1]) or per `group` columns (column-major [padded, cols / group]). One
+    Triton kernel on CUDA (fp8_activation.py); the torch functions elsewhere (CPU, and meta tensors in tests)."""
+    if x.is_cuda:
+        return quantize_activations(x.contiguous(), group, row_multiple)
+    if x.size(0) % row_multiple:
+        x = F.pad(x, (0, 0, 0, -x.size(0) % row_multiple))
+    if group is None:
+        return quantize_per_row(x)
+    x8, scale = quantize_per_group(x, group)
+    # column-major [rows, groups] with stride [1, rows], built explicitly: .t().contiguous().t() keeps a
+    # row-major stride when there is one row
+    return x8, torch.empty_strided(scale.shape, (1, scale.size(0)), dtype=torch.float32,
+                                   device=scale.device).copy_(scale)
+
+
 def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    x8, x_scale = _quantize_rows_fused(x)
+    x8, x_scale = quantized_input(x, None)
     return torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
                             use_fast_accum=FAST_ACCUM)
 
 
 def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     rows = x.size(0)
-    if rows % 4:  # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4
-        x = F.pad(x, (0, 0, 0, -rows % 4))  # zero rows: scale 1, outputs dropped below
-    x8, x_scale = _quantize_groups_fused(x)
-    # the kernel reads activation scales column-major: [rows, groups] with stride [1, rows]; built explicitly,
-    # since .t().contiguous().t() keeps a row-major stride when there is one row
-    x_scale = torch.empty_strided(x_scale.shape, (1, x_scale.size(0)), dtype=torch.float32,
-                                  device=x_scale.device).copy_(x_scale)
+    # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4 (padding rows' outputs
+    # are dropped below) and reads them column-major
+    x8, x_scale = quantized_input(x, BLOCK, 4)
     # no fast accumulation: the block-scaled kernels apply the scales per 128-deep K step themselves
     y = F.scaled_mm(x8, weight.weight.t(), x_scale, ACT_1x128, weight.kernel_scale, WEIGHT_128x128,
                     output_dtype=x.dtype)
