@@ -185,10 +185,11 @@ def test_moe_experts_shard_their_scales(tmp_path, rank):
 
 def emulate_fp8(linear: torch.nn.Linear) -> None:
     """Replace a transformers Linear's forward by the quantization='fp8' arithmetic, written out plainly: weight
-    rows and activation rows (tokens) each scaled by amax / 448 into e4m3, dequantized, multiplied in float32."""
+    rows and activation rows (tokens) each scaled by amax x (1 / 448) into e4m3, dequantized, multiplied in float32."""
     def quantized(x: torch.Tensor) -> torch.Tensor:
         amax = x.float().abs().amax(-1, keepdim=True)
-        scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+        # times the float32 reciprocal, as the engine defines it (what CUDA makes of amax / 448 too)
+        scale = torch.where(amax > 0, amax * (1 / 448), torch.ones_like(amax))
         return (x.float() / scale).clamp(-448, 448).to(FP8).float() * scale
 
     weight = quantized(linear.weight)

@@ -3,8 +3,9 @@ row, or of each 128 columns of a row), written straight into the layout the scal
 padding rows that cuBLAS's block-scaled kernel needs already zero. Without it each FP8 linear launched a
 compiled quantization, a pad copy and a scale-layout copy before its matmul (nanovllm/layers/fp8_linear.py).
 
-The arithmetic is quantize_per_row / quantize_per_group's (fp8_linear.py): correctly rounded divisions, the clamp
-to +-448, an all-zero group scaled by 1, so the kernel writes the same bits as those torch functions on CPU.
+The arithmetic is quantize_per_row / quantize_per_group's (fp8_linear.py): the scale is amax times the float32
+reciprocal of 448, values are divided by it correctly rounded and clamped to +-448, an all-zero group is scaled
+by 1, so the kernel writes the same bits as those torch functions, on CPU and on CUDA.
 """
 import torch
 import triton
@@ -14,11 +15,12 @@ from nanovllm.attention.kv_quant import round_to_e4m3
 
 FP8_MAX = 448.0
 _FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_MAX_RECIPROCAL = tl.constexpr(1.0 / FP8_MAX)
 
 
 @triton.jit
 def _group_scale(amax):
-    return tl.where(amax > 0, tl.math.div_rn(amax, _FP8_MAX), 1.0)
+    return tl.where(amax > 0, amax * _FP8_MAX_RECIPROCAL, 1.0)
 
 
 @triton.jit

@@ -22,6 +22,10 @@ from nanovllm.layers.fp8_activation import quantize_activations
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A scale is amax times this float32 reciprocal, not amax / 448: torch on CUDA turns a division by a Python number
+# into that multiplication while the CPU divides, so written out, CPU, CUDA and the Triton kernel
+# (fp8_activation.py) all compute the same scales, and the same e4m3 codes.
+FP8_MAX_RECIPROCAL = 1.0 / FP8_MAX
 BLOCK = 128  # the published checkpoints' weight_block_size, and the activation group of the block-wise matmul
 # Rows (tokens) below which a layer multiplies a bf16 copy of its weight instead: 0 keeps FP8 for every batch.
 # A copy costs the memory FP8 saves, so raise this only where the device measurement
@@ -79,7 +83,7 @@ def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] -> (e4m3 rows, float32 scale [rows, 1]) with x ~ rows * scale; an all-zero row gets scale 1."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * FP8_MAX_RECIPROCAL, torch.ones_like(amax))
     return _to_fp8(x, scale), scale
 
 
@@ -88,7 +92,7 @@ def quantize_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tenso
     rows, cols = x.shape
     grouped = x.float().view(rows, cols // group, group)
     amax = grouped.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * FP8_MAX_RECIPROCAL, torch.ones_like(amax))
     return _to_fp8(grouped, scale).view(rows, cols), scale.squeeze(-1)
 
 
