@@ -53,7 +53,7 @@ KERNELS = [
     (_dequantize_blocks_kernel, dict(BLOCK_ELEMENTS=262144, CHUNK=4096), FP8),
     (_silu_and_mul_kernel, dict(BLOCK=1024), {}),
     # an FP8 linear's input: per 128 columns (block checkpoints), per row (quantization="fp8", Qwen3-8B's down_proj)
-    *((_quantize_activations_kernel, dict(COLS=cols, GROUP=group, PER_ROW=per_row),
+    *((_quantize_activations_kernel, dict(COLS=cols, GROUP=group, GROUPS=4, PER_ROW=per_row),
        {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}) for cols, group, per_row in ((4096, 128, False),
                                                                                   (12288, 1024, True))),
     # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape

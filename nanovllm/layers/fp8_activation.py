@@ -25,7 +25,8 @@ def _group_scale(amax):
 
 @triton.jit
 def _quantize_activations_kernel(x_ptr, x_stride, out_ptr, scale_ptr, scale_row_stride, scale_group_stride, rows,
-                                 COLS: tl.constexpr, GROUP: tl.constexpr, PER_ROW: tl.constexpr):
+                                 COLS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                                 PER_ROW: tl.constexpr):
     row = tl.program_id(0)
     # rows past the input are padding: nothing is loaded (zeros, scale 1)
     readable = tl.where(row < rows, COLS, 0)
@@ -46,14 +47,16 @@ def _quantize_activations_kernel(x_ptr, x_stride, out_ptr, scale_ptr, scale_row_
             y = tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
             tl.store(out_row + start + columns, round_to_e4m3(y).to(fp8), mask=start + columns < COLS)
         tl.store(scale_ptr + row * scale_row_stride, scale)
-    else:  # a scale per GROUP columns (COLS is a multiple of GROUP)
-        for group in range(0, COLS // GROUP):
-            offsets = group * GROUP + columns
-            x = tl.load(x_row + offsets, mask=offsets < readable, other=0.0).to(tl.float32)
-            scale = _group_scale(tl.max(tl.abs(x), 0))
-            y = tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
-            tl.store(out_row + offsets, round_to_e4m3(y).to(fp8))
-            tl.store(scale_ptr + row * scale_row_stride + group * scale_group_stride, scale)
+    else:  # a scale per GROUP columns (COLS is a multiple of GROUP), GROUPS of them per program
+        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        offsets = groups[:, None] * GROUP + columns[None, :]
+        in_row = groups[:, None] < COLS // GROUP
+        x = tl.load(x_row + offsets, mask=in_row & (offsets < readable), other=0.0).to(tl.float32)
+        scale = _group_scale(tl.max(tl.abs(x), 1))
+        y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
+        tl.store(out_row + offsets, round_to_e4m3(y).to(fp8), mask=in_row)
+        tl.store(scale_ptr + row * scale_row_stride + groups * scale_group_stride, scale,
+                 mask=groups < COLS // GROUP)
 
 
 def quantize_activations(x: torch.Tensor, group: int | None,
@@ -69,11 +72,13 @@ def quantize_activations(x: torch.Tensor, group: int | None,
     out = torch.empty(padded, cols, dtype=torch.float8_e4m3fn, device=x.device)
     if group is None:
         scales = torch.empty(padded, 1, dtype=torch.float32, device=x.device)
-        strides, block = (1, 0), min(1024, triton.next_power_of_2(cols))
+        strides, block, groups, programs = (1, 0), min(1024, triton.next_power_of_2(cols)), 1, 1
     else:
         scales = torch.empty_strided((padded, cols // group), (1, padded), dtype=torch.float32, device=x.device)
-        strides, block = scales.stride(), group
+        # a few groups per program, all loaded at once: a small batch still spreads over many programs
+        strides, block, groups = scales.stride(), group, 4
+        programs = triton.cdiv(cols // group, groups)
     if padded:
-        _quantize_activations_kernel[(padded,)](x, x.stride(0), out, scales, *strides, rows, COLS=cols, GROUP=block,
-                                                PER_ROW=group is None)
+        _quantize_activations_kernel[(padded, programs)](x, x.stride(0), out, scales, *strides, rows, COLS=cols,
+                                                         GROUP=block, GROUPS=groups, PER_ROW=group is None)
     return out, scales
