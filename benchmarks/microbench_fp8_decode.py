@@ -4,6 +4,7 @@ time and effective bandwidth of the bytes read, and (--sweep) every chunk size /
     python benchmarks/microbench_fp8_decode.py                       # the long-context shape (64 x 6k-14.8k)
     python benchmarks/microbench_fp8_decode.py --batch 256 --min-context 100 --max-context 2048   # bench.py's
     python benchmarks/microbench_fp8_decode.py --sweep               # the table paged_decode.TUNED comes from
+                                                                      # (and other slice counts at that setting)
 
 Also prints the FP8 output's largest difference from the bf16 one.
 """
@@ -63,7 +64,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for name, kc, vc, scales, nbytes in cases:
         timings = {}
-        for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        for block_n, warps, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 2, 3, 4)):
             call = functools.partial(paged_decode_attention, q, kc, vc, block_tables, context_lens, scale, counters,
                                      block_n=block_n, num_warps=warps, num_stages=stages, **scales)
             try:
@@ -74,6 +75,11 @@ def main() -> None:
             print(f"| {name} | {setting[0]} | {setting[1]} | {setting[2]} | {us:.1f} | {nbytes / us / 1e3:.0f} |")
         tuned = TUNED[name != "bf16"]
         print(f"| {name} (TUNED {tuned}) | | | | {timings.get(tuned, float('nan')):.1f} | |")
+        for splits in (4, 16, 32):  # slices per sequence other than default_max_splits, at the tuned setting
+            call = functools.partial(paged_decode_attention, q, kc, vc, block_tables, context_lens, scale, counters,
+                                     block_n=tuned[0], num_warps=tuned[1], num_stages=tuned[2], max_splits=splits,
+                                     **scales)
+            print(f"| {name} (TUNED, max_splits {splits}) | | | | {graph_time_us([call], repeat=10):.1f} | |")
 
 
 if __name__ == "__main__":
