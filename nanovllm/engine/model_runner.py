@@ -60,11 +60,12 @@ class ModelRunner:
             torch.set_default_device("cpu")
             torch.set_default_dtype(default_dtype)
         checkpoint_scales = load_model(self.model, config.model)
+        self.fp8_summary = None
         if config.fp8 is not None:
             # the KV cache is sized from the memory left after this, so it gets whatever FP8 saves
-            summary = finish_fp8(self.model, config.fp8, self.dtype)
+            self.fp8_summary = finish_fp8(self.model, config.fp8, self.dtype)
             if rank == 0:
-                logger.info("FP8 weights: %s", summary.describe())
+                logger.info("FP8 weights: %s", self.fp8_summary.describe())
         self.sampler = Sampler(config.eos_token_ids, self.device)
         self.kv_layout = KVCacheLayout(hf_config.num_hidden_layers, self.block_size,
                                        hf_config.num_key_value_heads // self.tp.size, head_dim(hf_config),

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.fp8_activation import quantize_activations
+from nanovllm.layers.fp8_gemm import fp8_matmul
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -34,11 +35,12 @@ BF16_BELOW_ROWS = 0
 # Hopper's fast accumulation (row-wise matmuls only) is less exact over long reductions; the microbenchmark shows
 # what it would gain.
 FAST_ACCUM = False
-# The scaled-matmul paths have not yet run on a GPU (no device time was left when they were written): until
-# tests/test_gpu_fp8_weights.py passes on one, GPUs take the paths CI verifies (block weights dequantized at load,
-# channel weights emulated), so no FP8 model gives unverified tokens. NANOVLLM_FP8_SCALED_MM=1 turns them on, to
-# test and measure them.
-SCALED_MM_ON_GPU = os.environ.get("NANOVLLM_FP8_SCALED_MM") == "1"
+# FP8 matmuls run wherever the GPU has them; NANOVLLM_FP8_SCALED_MM=0 turns them off (block weights are then
+# dequantized at load, channel weights emulated), to compare or to work around a driver.
+SCALED_MM_ON_GPU = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"
+# Up to this many rows (decode's batches) our Triton kernel (fp8_gemm.py) multiplies, past it cuBLAS: the
+# crossover per mode measured by benchmarks/microbench_fp8_gemm.py on an H200
+TRITON_MAX_ROWS = {"block": 256, "channel": 256}
 
 
 def _scaling_type(*names: str):
@@ -147,21 +149,26 @@ def quantized_input(x: torch.Tensor, group: int | None, row_multiple: int = 1) -
                                    device=scale.device).copy_(scale)
 
 
-def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     x8, x_scale = quantized_input(x, None)
-    return torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
-                            use_fast_accum=FAST_ACCUM)
+    if x.size(0) <= TRITON_MAX_ROWS["channel"]:
+        return fp8_matmul(x8, x_scale, weight.weight, weight.scale, False, bias, x.dtype)
+    y = torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
+                         use_fast_accum=FAST_ACCUM)
+    return y if bias is None else y + bias
 
 
-def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.size(0)
+    if rows <= TRITON_MAX_ROWS["block"]:  # the kernel quantizes x itself
+        return fp8_matmul(x.contiguous(), None, weight.weight, weight.scale, True, bias, x.dtype)
     # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4 (padding rows' outputs
     # are dropped below) and reads them column-major
     x8, x_scale = quantized_input(x, BLOCK, 4)
     # no fast accumulation: the block-scaled kernels apply the scales per 128-deep K step themselves
     y = F.scaled_mm(x8, weight.weight.t(), x_scale, ACT_1x128, weight.kernel_scale, WEIGHT_128x128,
-                    output_dtype=x.dtype)
-    return y[:rows]
+                    output_dtype=x.dtype)[:rows]
+    return y if bias is None else y + bias
 
 
 def block_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -178,14 +185,13 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if weight.dense is not None and x.size(0) < BF16_BELOW_ROWS:
-        y = F.linear(x, weight.dense)
+        y = F.linear(x, weight.dense, bias)
     elif weight.kernel_scale is None:
         assert weight.mode == "channel", "block-scaled weights are dequantized at load where no kernel runs them"
         y = emulate_channel(x, weight).to(x.dtype)
+        y = y if bias is None else y + bias
     elif weight.mode == "channel":
-        y = _scaled_mm_channel(x, weight)
+        y = _scaled_mm_channel(x, weight, bias)
     else:
-        y = _scaled_mm_block(x, weight)
-    if bias is not None:
-        y = y + bias
+        y = _scaled_mm_block(x, weight, bias)
     return y.view(*shape[:-1], y.size(-1))

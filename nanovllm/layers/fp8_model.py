@@ -96,19 +96,29 @@ def fp8_layers(model: nn.Module, settings: Fp8Settings) -> dict[str, Linear]:
 def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
     """Give each converted layer an e4m3 `weight` and a `weight_scale_inv`, for a checkpoint that stores them."""
     block_rows, block_cols = settings.block
-    for name, layer in fp8_layers(model, settings).items():
-        weight = layer.weight
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and weight.size(1) % block_cols:
-            raise ValueError(f"FP8 layer {name}: {weight.size(1) * layer.tp_size} input columns split over "
-                             f"{layer.tp_size} ranks gives shards of {weight.size(1)} columns, not a multiple of the "
+    layers = fp8_layers(model, settings)
+    plans = {}  # name -> (weight shape, device, parts): checked before anything changes
+    for name, layer in layers.items():
+        shape, device = layer.weight.shape, layer.weight.device
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and shape[1] % block_cols:
+            raise ValueError(f"FP8 layer {name}: {shape[1] * layer.tp_size} input columns split over "
+                             f"{layer.tp_size} ranks gives shards of {shape[1]} columns, not a multiple of the "
                              f"{block_cols}-column scale block; use a tensor_parallel_size that splits it on blocks")
         parts = _layout(name, layer, block_rows) if isinstance(layer, ColumnParallelLinear) else None
-        scale_rows = sum(-(-p.rows // block_rows) for p in parts) if parts else -(-weight.size(0) // block_rows)
-        layer.weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device),
-                                    requires_grad=False)
+        plans[name] = (shape, device, parts)
+    # every model-dtype weight goes before any e4m3 one is made: made one by one, each would be carved out of
+    # the memory its predecessor just left, and those half-used regions could then not go to the KV cache
+    for layer in layers.values():
+        del layer.weight
+    if any(device.type == "cuda" for _, device, _ in plans.values()):
+        torch.cuda.empty_cache()
+    for name, layer in layers.items():
+        shape, device, parts = plans[name]
+        scale_rows = sum(-(-p.rows // block_rows) for p in parts) if parts else -(-shape[0] // block_rows)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
         layer.weight.weight_loader = _fp8_weight_loader(layer.weight_loader)
-        layer.weight_scale_inv = nn.Parameter(torch.empty(scale_rows, -(-weight.size(1) // block_cols),
-                                                          dtype=torch.float32, device=weight.device),
+        layer.weight_scale_inv = nn.Parameter(torch.empty(scale_rows, -(-shape[1] // block_cols),
+                                                          dtype=torch.float32, device=device),
                                               requires_grad=False)
         layer.weight_scale_inv.weight_loader = _scale_loader(layer, parts, settings.block)
         layer.fp8_parts = parts
@@ -164,15 +174,16 @@ class Fp8Summary:
 def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> Fp8Summary:
     """Ready every converted layer for the forward pass, after loading; see the module docstring."""
     summary = Fp8Summary(0, 0, 0, {})
-    for name, layer in fp8_layers(model, settings).items():
+    layers = fp8_layers(model, settings)
+    quantized = {} if settings.checkpoint else _quantize_at_load(layers)
+    for name, layer in layers.items():
         # the scaled matmuls write bf16 (row-wise ones nothing else): other model dtypes take the portable paths
         rowwise, blockwise = fp8_linear.fp8_supported(layer.weight.device) if dtype == torch.bfloat16 else \
             (False, False)
         if settings.checkpoint:
             mode = _finish_checkpoint_layer(name, layer, settings, dtype, rowwise, blockwise)
         else:
-            w8, scale = fp8_linear.quantize_per_channel(layer.weight.data)
-            layer.weight = nn.Parameter(w8, requires_grad=False)
+            w8, scale = quantized[name]
             layer.fp8 = Fp8Weight(w8, scale, "channel", scale.view(1, -1) if rowwise else None)
             mode = "channel" if rowwise else "channel (emulated)"
         if layer.fp8 is not None and fp8_linear.BF16_BELOW_ROWS > 0 and layer.fp8.kernel_scale is not None:
@@ -190,6 +201,26 @@ def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> F
             summary.modes["experts dequantized"] = summary.modes.get("experts dequantized", 0) + 1
             summary.dense_bytes, summary.fp8_bytes = summary.dense_bytes + held, summary.fp8_bytes + held
     return summary
+
+
+def _quantize_at_load(layers: dict[str, Linear]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's weight per channel in e4m3 (now its `weight`) and its scales. On a GPU the e4m3 weights wait in
+    host memory until every model-dtype weight is gone: made one after another on the device, each would be carved
+    out of the memory its predecessor just left, and those half-used regions could then not go to the KV cache."""
+    quantized = {}
+    for name, layer in layers.items():
+        w8, scale = fp8_linear.quantize_per_channel(layer.weight.data)
+        quantized[name] = (w8.cpu() if w8.is_cuda else w8, scale)
+        del layer.weight, w8
+    on_gpu = [name for name, (_, scale) in quantized.items() if scale.is_cuda]
+    if on_gpu:
+        torch.cuda.empty_cache()
+    for name in on_gpu:
+        w8, scale = quantized[name]
+        quantized[name] = (w8.to(scale.device), scale)
+    for name, layer in layers.items():
+        layer.weight = nn.Parameter(quantized[name][0], requires_grad=False)
+    return quantized
 
 
 def _dense(layer: Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -212,6 +243,7 @@ def _finish_checkpoint_layer(name: str, layer: Linear, settings: Fp8Settings, dt
         layer.fp8 = Fp8Weight(w8, folded, "channel", folded.view(1, -1))
         return "channel (folded from blocks)"
     if aligned and blockwise:
+        scale = scale.float().contiguous()  # fp8_gemm.py reads it row-major in float32
         layer.fp8 = Fp8Weight(w8, scale, "block", fp8_linear.block_kernel_scale(scale))
         return "block"
     # no scaled matmul for this layout here: dequantize once, part by part (each part's edge blocks are partial)
