@@ -33,6 +33,9 @@ WORKLOADS: dict[str, dict] = {
     # must queue and preempt, an FP8 cache (twice the tokens) runs them together
     "capacity": dict(num_seqs=512, min_input_len=1000, max_input_len=4000, min_output_len=200,
                      max_output_len=800, max_model_len=8192),
+    # TensorRT-LLM's published throughput workload: 1,000 tokens in, 1,000 out, enough requests to fill the GPU
+    "1000-1000": dict(num_seqs=512, min_input_len=1000, max_input_len=1000, min_output_len=1000,
+                      max_output_len=1000, max_model_len=4096),
     # prefill is most of the run, where FP8 matmuls gain most
     "prefill-heavy": dict(num_seqs=512, min_input_len=1024, max_input_len=3072, min_output_len=16,
                           max_output_len=64, max_model_len=4096),

@@ -10,7 +10,7 @@ out=${OUT:-/tmp}
 runs=${RUNS:-3}
 shapes=("$@")
 [ ${#shapes[@]} -eq 0 ] && shapes=(Qwen3-8B)
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} NANOVLLM_FP8_SCALED_MM=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 declare -A modes=([bf16]="" [fp8-load]="--quantization fp8" [fp8-ckpt]="FP8" [fp8-ckpt+kv]="FP8 --kv-cache-dtype fp8")
 read -r -a workloads <<< "${WORKLOADS:-default prefill-heavy}"
 read -r -a mode_list <<< "${MODES:-bf16 fp8-load fp8-ckpt fp8-ckpt+kv}"

@@ -1,26 +1,21 @@
 """One decoder layer's four matmuls on the GPU: bf16 against row-wise and block-wise FP8, per number of rows.
 
     python benchmarks/microbench_fp8_gemm.py [--shape Qwen3-8B] [--rows 16,64,256,1024,8192]
-    python benchmarks/microbench_fp8_gemm.py --sweep [--rows 16,32,64,128,256,512]   # the Triton kernel's tiles
 
-cuBLAS's modes are timed with the activation quantization the engine runs before them
-(nanovllm/layers/fp8_activation.py, "+quant") and without it (the matmul alone); "triton" is our kernel
-(nanovllm/layers/fp8_gemm.py) at its tuned tile, block-wise quantizing its input itself, row-wise after the same
-quantization kernel. Speed-ups are against bf16 F.linear at the same rows. Weights rotate through enough copies
-to overflow L2, as in a forward pass where the other layers' weights pass between two uses of the same matrix;
-timed inside a CUDA graph, as decode runs.
-The rows where cuBLAS overtakes the Triton kernel give fp8_linear.TRITON_MAX_ROWS; --sweep times every tile
-of a grid per row count (the layer's four matmuls together) and prints the best, for fp8_gemm.TUNED.
+Each FP8 mode is timed with the activation quantization the engine runs before it (nanovllm/layers/fp8_linear.py,
+"+quant") and without it (the matmul alone); row-wise also with Hopper's fast accumulation ("fast"). Speed-ups
+are against bf16 F.linear at the same rows. Weights rotate through enough copies to overflow L2, as in a forward
+pass where the other layers' weights pass between two uses of the same matrix; timed inside a CUDA graph, as
+decode runs.
+The rows where FP8 first wins give the crossover (fp8_linear.BF16_BELOW_ROWS) and which mode wins per shape.
 """
 import argparse
-import itertools
 
 import torch
 import torch.nn.functional as F
 from cuda_timing import graph_time_us
 
 from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_gemm import TileConfig, fp8_matmul
 from nanovllm.utils.fp8_checkpoint import quantize_blockwise
 from nanovllm.utils.random_checkpoint import SHAPES
 
@@ -39,7 +34,6 @@ def main() -> None:
     parser.add_argument("--shape", default="Qwen3-8B", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="16,64,256,1024,8192")
     parser.add_argument("--copies", type=int, default=4, help="weight copies rotated per layer (past L2)")
-    parser.add_argument("--sweep", action="store_true", help="time the Triton kernel's tile grid instead")
     args = parser.parse_args()
     device = torch.device("cuda")
     fp8.SCALED_MM_ON_GPU = True  # the kernels themselves, whether or not the engine uses them yet
@@ -61,11 +55,9 @@ def main() -> None:
             copies.append((w, channel, block))
         weights[name] = copies
 
-    if args.sweep:
-        return sweep(args, weights, g, device)
-    modes = ["bf16", "row+quant", "row", "triton row", "block+quant", "block", "triton block"]
+    modes = ["bf16", "row+quant", "row", "row fast", "block+quant", "block"]
     if not blockwise:
-        modes = [m for m in modes if "block" not in m]
+        modes = [m for m in modes if not m.startswith("block")]
     print("| rows | layer | " + " | ".join(f"{m} us" for m in modes) + " | " +
           " | ".join(f"{m} x" for m in modes[1:]) + " |")
     print("|" + " --- |" * (2 + 2 * len(modes) - 1))
@@ -91,71 +83,19 @@ def main() -> None:
         _row(rows, "layer", totals, modes)
 
 
-def _call(mode, x, w, channel, block, x8_row, xs_row, x8_group, xs_group, tile=None):
+def _call(mode, x, w, channel, block, x8_row, xs_row, x8_group, xs_group):
     if mode == "bf16":
         return lambda: F.linear(x, w)
     if mode == "row+quant":
-        return lambda: _row_quant(x, channel)
+        return lambda: fp8.fp8_linear(x, channel, None)
     if mode == "block+quant":
-        return lambda: _block_quant(x, block)
-    if mode == "triton row":
-        return lambda: fp8_matmul(*fp8.quantized_input(x, None), channel.weight, channel.scale, False, tile=tile)
-    if mode == "triton block":
-        return lambda: fp8_matmul(x, None, block.weight, block.scale, True, tile=tile)
-    if mode == "row":
+        return lambda: fp8.fp8_linear(x, block, None)
+    fast = mode.endswith("fast")
+    if mode.startswith("row"):
         return lambda: torch._scaled_mm(x8_row, channel.weight.t(), scale_a=xs_row, scale_b=channel.kernel_scale,
-                                        out_dtype=torch.bfloat16)
+                                        out_dtype=torch.bfloat16, use_fast_accum=fast)
     return lambda: F.scaled_mm(x8_group, block.weight.t(), xs_group, fp8.ACT_1x128, block.kernel_scale,
                                fp8.WEIGHT_128x128, output_dtype=torch.bfloat16)
-
-
-def _row_quant(x, channel):
-    x8, x_scale = fp8.quantized_input(x, None)
-    return torch._scaled_mm(x8, channel.weight.t(), scale_a=x_scale, scale_b=channel.kernel_scale,
-                            out_dtype=torch.bfloat16)
-
-
-def _block_quant(x, block):
-    x8, x_scale = fp8.quantized_input(x, fp8.BLOCK, 4)
-    return F.scaled_mm(x8, block.weight.t(), x_scale, fp8.ACT_1x128, block.kernel_scale, fp8.WEIGHT_128x128,
-                       output_dtype=torch.bfloat16)[:x.size(0)]
-
-
-def sweep(args, weights, g, device) -> None:
-    """Every tile of the grid per row count, the layer's four matmuls summed, block-wise (quantizing in the
-    kernel) and row-wise; the best three of each and cuBLAS's figure beside them."""
-    grid = [TileConfig(*c) for c in itertools.product((16, 32, 64, 128), (32, 64, 128), (4, 8), (3, 4))]
-    for rows in (int(r) for r in args.rows.split(",")):
-        xs = {name: torch.randn(rows, copies[0][0].size(1), generator=g, device=device, dtype=torch.bfloat16)
-              for name, copies in weights.items()}
-
-        def total(mode: str, tile: TileConfig | None = None, xs: dict = xs) -> float:
-            time = 0.0
-            for name, copies in weights.items():
-                calls = [_call(mode, xs[name], w, channel, block, None, None, None, None, tile)
-                         for w, channel, block in copies]
-                time += graph_time_us(calls, repeat=4)
-            return time
-
-        bf16, cublas = total("bf16"), {"triton block": total("block+quant"), "triton row": total("row+quant")}
-        for mode in ("triton block", "triton row"):
-            results = []
-            for tile in grid:
-                if tile.block_m > max(16, triton_next_power_of_2(rows)):
-                    continue
-                try:
-                    results.append((total(mode, tile), tile))
-                except Exception as error:  # too much shared memory for this tile, say: skip it
-                    print(f"{mode} {tile} at {rows} rows: {str(error).splitlines()[0][:120]}")
-            results.sort(key=lambda r: r[0])
-            best = ", ".join(f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}: {us:.1f} us "
-                             f"({bf16 / us:.2f}x)" for us, t in results[:3])
-            print(f"rows {rows} {mode}: bf16 {bf16:.1f} us, cuBLAS+quant {cublas[mode]:.1f} us "
-                  f"({bf16 / cublas[mode]:.2f}x); best tiles {best}", flush=True)
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _row(rows: int, name: str, times: dict[str, float], modes: list[str]) -> None:

