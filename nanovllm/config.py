@@ -12,9 +12,6 @@ from nanovllm.models import MODEL_REGISTRY, model_class
 from nanovllm.utils.device import check_dtype, model_dtype
 from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
 
-# architectures whose GPU acceptance test fails on the flash_attn backend (not the default; see docs/PERFORMANCE.md)
-FLASH_ATTN_FAILS = ("Qwen2ForCausalLM",)
-
 
 @dataclass(slots=True)
 class Config:
@@ -76,10 +73,7 @@ class Config:
         check_no_remote_code(self.model)  # before transformers, which would ask to run the checkpoint's code
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.dtype = dtype or model_dtype(self.hf_config)
-        family = model_class(self.hf_config)  # an unsupported architecture is refused before anything else
-        if self.attention_backend == "flash_attn" and family.__name__ in FLASH_ATTN_FAILS:
-            raise ValueError(f"attention_backend='flash_attn' gives wrong tokens for {family.__name__} in the GPU "
-                             f"acceptance test (tests/test_gpu.py); use attention_backend='triton' (the default)")
+        model_class(self.hf_config)  # an unsupported architecture is refused before anything else
         check_model_config(self.hf_config)
         self.fp8 = quantization_settings(self.quantization, self.hf_config)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
