@@ -125,11 +125,6 @@ class FlashAttnBackend(AttentionBackend):
         from flash_attn import flash_attn_with_kvcache
 
         assert not cache.quantized, "Config refuses kv_cache_dtype='fp8' with attention_backend='flash_attn'"
-        # One split, not flash-attn's default (a guess from batch x KV heads): each row's result then depends on
-        # that row alone, so an eager batch equals the same rows in a padded CUDA-graph batch. It also keeps
-        # decode off the split-KV accumulators, which a flash-attn built with 128-wide kernels only (the GPU
-        # machine's trimmed build) addresses wrongly for head_dim < 128: Qwen2.5-0.5B's 2 KV heads always split.
-        # The cost is parallelism at small batch x KV heads (benchmarks/diag_flash_attn.py times it).
         return flash_attn_with_kvcache(q.unsqueeze(1), cache.k, cache.v, cache_seqlens=context.context_lens,
-                                       block_table=context.block_tables, softmax_scale=scale, causal=True,
-                                       num_splits=1).squeeze(1)
+                                       block_table=context.block_tables, softmax_scale=scale,
+                                       causal=True).squeeze(1)
