@@ -1,9 +1,11 @@
 """The data-parallel driver: N engine replicas fed from one queue as they free up, results streamed back.
 
 Feeding is dynamic: every replica holds at most `credit` requests (its engine's window of 2 x max_num_seqs
-plus max_num_seqs in transit, so the engine never waits on the driver), and each answer frees room for the next
-request, so a replica busy with long requests simply takes fewer (no static split that leaves the others idle
-at the end). The driver keeps the table of what each replica holds; when one dies its unanswered requests go
+plus max_num_seqs in transit, so the engine never waits on the driver), and answers free room for more, so a
+replica busy with long requests simply takes fewer (no static split that leaves the others idle at the end).
+Both directions travel in batches: a replica sends whatever results finished while it sent the last ones
+(sender.py), and the driver tops a replica up only once it has room for `refill` requests, in one message. The
+driver keeps the table of what each replica holds; when one dies its unanswered requests go
 back to the front of the queue for the others, and an answer counts only while its replica still holds the
 request, so each is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
 """
@@ -62,6 +64,9 @@ class DataParallel:
         self.config = Config.from_options(model, **engine_options)
         self.tokenizer = load_tokenizer(self.config.model)
         self.credit = 3 * self.config.max_num_seqs
+        # a replica waits for a refill until it has room for this many, so requests travel in batches; it still
+        # holds more than 7/8 of its credit, more than its engine's window of 2 x max_num_seqs
+        self.refill = max(1, self.credit // 8)
         if backend == "mp":
             from .processes import ProcessReplicas as Replicas
         else:
@@ -102,11 +107,11 @@ class DataParallel:
                 held = self.held[r]
                 if not held.alive:
                     continue
-                if kind == "result":
-                    index, output = payload
-                    if held.requests.pop(index, None) is not None:  # else it was handed to another already
-                        held.answered += 1
-                        yield index, output
+                if kind == "results":
+                    for index, output in payload:
+                        if held.requests.pop(index, None) is not None:  # else it was handed to another already
+                            held.answered += 1
+                            yield index, output
                 elif kind == "ready":  # where it runs: a Ray actor's host is known only now
                     held.name = held.name[:-1] + f", on {payload})"
                 else:  # "error": the replica stops; its engine's last words name the cause
@@ -117,12 +122,14 @@ class DataParallel:
                     self._lose(r, reason, retry)
 
     def _feed(self, requests: Iterator[Work], retry: deque[Work], exhausted: bool) -> bool:
-        """Top every live replica up to its credit, one request at a time to the least loaded; DRAIN the ones
-        that hold work once nothing is left to hand out. Returns whether the input is exhausted."""
+        """Top up to its credit every live replica with room for `refill` requests, one request at a time to the
+        least loaded of them (so that a short input is shared out evenly); DRAIN the ones that hold work once
+        nothing is left to hand out. Returns whether the input is exhausted."""
         batches: dict[int, list] = {}
-        while True:
-            r, held = min(((r, h) for r, h in enumerate(self.held) if h.alive),
-                          key=lambda pair: len(pair[1].requests))
+        due = [r for r, held in enumerate(self.held) if held.alive and self.credit - len(held.requests) >= self.refill]
+        while due:
+            r = min(due, key=lambda r: len(self.held[r].requests))
+            held = self.held[r]
             if len(held.requests) >= self.credit:
                 break
             work = retry.popleft() if retry else None if exhausted else next(requests, None)

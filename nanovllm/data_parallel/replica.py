@@ -1,9 +1,11 @@
-"""One data-parallel replica: an engine fed from an inbox, sending back each result the moment it finishes.
+"""One data-parallel replica: an engine fed from an inbox, its results handed to a sender as they finish.
 
 The same loop runs in a spawned process (backend "mp") and in a Ray actor (backend "ray"); only the transport
-around it differs. The driver's messages are work items (Work), DRAIN (no more work for now: finish what you
-hold) and STOP. The replica's messages are ("ready", its host), ("result", (index, output or exception)) and
-("error", text), the last one it sends before it goes away.
+around it differs. The driver sends lists of items: work (Work), DRAIN (no more work for now: finish what you
+hold) and STOP. The replica's messages are ("ready", its host), ("results", [(index, output or exception), ...])
+with whatever finished while the previous message was being sent (sender.py), and ("error", text), sent after
+every result that finished before it and the last message of a replica that goes away. A replica told STOP
+exits only once every result is sent.
 """
 import queue
 import socket
@@ -13,6 +15,8 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from nanovllm.sampling_params import SamplingParams
+
+from .sender import Sender
 
 DRAIN, STOP = "drain", "stop"
 
@@ -24,9 +28,15 @@ class Work(NamedTuple):
 
 
 def serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None]) -> None:
-    """Load the engine, then run sessions until STOP. A session is one iter_generate over work pulled from the
-    inbox as the engine has room, ended by DRAIN, so that work the driver hands out later (a dead peer's
-    requests) starts a new session rather than needing the end of the input to be known in advance."""
+    """Load the engine, then run sessions until STOP, sending through `send` from a thread of its own (sender.py).
+    A session is one iter_generate over work pulled from the inbox as the engine has room, ended by DRAIN, so
+    that work the driver hands out later (a dead peer's requests) starts a new session rather than needing the
+    end of the input to be known in advance."""
+    with Sender(send) as sender:  # leaving it sends what is queued: results first, an error last
+        _serve(make_engine, inbox, sender.put)
+
+
+def _serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None]) -> None:
     try:
         engine = make_engine()
     except BaseException as error:
