@@ -4,10 +4,11 @@ Feeding is dynamic: every replica holds at most `credit` requests (its engine's 
 plus max_num_seqs in transit, so the engine never waits on the driver), and answers free room for more, so a
 replica busy with long requests simply takes fewer (no static split that leaves the others idle at the end).
 Both directions travel in batches: a replica sends whatever results finished while it sent the last ones
-(sender.py), and the driver tops a replica up only once it has room for `refill` requests, in one message. The
-driver keeps the table of what each replica holds; when one dies its unanswered requests go
-back to the front of the queue for the others, and an answer counts only while its replica still holds the
-request, so each is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
+(sender.py), and the driver tops a replica up only once it has room for `refill` requests, in one message.
+
+The driver keeps the table of what each replica holds; when one dies its unanswered requests go back to the
+front of the queue for the others, and an answer counts only while its replica still holds the request, so each
+is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
 """
 import itertools
 import warnings
