@@ -1,5 +1,6 @@
 """Data parallelism on CPU: replicas as processes and as Ray actors give DP=1's greedy results, survive a killed
 replica with each request answered once, share uneven work, stop clearly when all die, and resume."""
+import importlib.util
 import os
 import queue
 import re
@@ -372,3 +373,16 @@ def test_a_sender_whose_driver_is_gone_raises_on_the_next_put():
     sender.close()  # the thread has stopped at the failure
     with pytest.raises(BrokenPipeError):
         sender.put(("result", (0, "a")))
+
+
+def test_the_benchmarks_steady_rate_starts_at_2_percent_of_the_lines():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "data_parallel.py")
+    spec = importlib.util.spec_from_file_location("data_parallel_benchmark", path)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    # 2% of 150 lines is 3: from (1.0 s, 3 lines) to (5.0 s, 150 lines), the early second and its line left out
+    samples = [(0.0, 1), (1.0, 3), (2.5, 60), (5.0, 150)]
+    assert benchmark.steady_rate(samples, 150) == (150 - 3) / (5.0 - 1.0)
+    assert benchmark.steady_rate([(0.0, 2), (2.0, 10), (4.0, 100)], 100) == (100 - 2) / 4.0  # 2 lines are 2%
+    with pytest.raises(ValueError, match="no interval"):
+        benchmark.steady_rate([(0.0, 1), (3.0, 100)], 100)  # 2% exist only at the end

@@ -4,10 +4,11 @@ Feeding is dynamic: every replica holds at most `credit` requests (its engine's 
 plus max_num_seqs in transit, so the engine never waits on the driver), and answers free room for more, so a
 replica busy with long requests simply takes fewer (no static split that leaves the others idle at the end).
 Both directions travel in batches: a replica sends whatever results finished while it sent the last ones
-(sender.py), and the driver tops a replica up only once it has room for `refill` requests, in one message. The
-driver keeps the table of what each replica holds; when one dies its unanswered requests go
-back to the front of the queue for the others, and an answer counts only while its replica still holds the
-request, so each is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
+(sender.py), and the driver tops a replica up only once it has room for `refill` requests, in one message.
+
+The driver keeps the table of what each replica holds; when one dies its unanswered requests go back to the
+front of the queue for the others, and an answer counts only while its replica still holds the request, so each
+is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
 """
 import itertools
 import warnings
@@ -97,29 +98,40 @@ class DataParallel:
 
     def _run(self, requests: Iterator[Work]) -> Iterator[tuple[int, RequestOutput | Exception]]:
         retry: deque[Work] = deque()  # a dead replica's requests, handed out before new ones
-        exhausted = False
-        while True:
+        exhausted = self._feed(requests, retry, False)
+        while not exhausted or retry or any(h.requests for h in self.held):
+            answers = self._collect(retry)
+            # refilled before the caller handles these answers (formats, writes): the replicas work meanwhile
             exhausted = self._feed(requests, retry, exhausted)
-            if exhausted and not retry and not any(h.requests for h in self.held):
-                self._clean = True
-                return
-            for r, (kind, payload) in self.replicas.receive(POLL_S):
-                held = self.held[r]
-                if not held.alive:
-                    continue
-                if kind == "results":
-                    for index, output in payload:
-                        if held.requests.pop(index, None) is not None:  # else it was handed to another already
-                            held.answered += 1
-                            yield index, output
-                elif kind == "ready":  # where it runs: a Ray actor's host is known only now
-                    held.name = held.name[:-1] + f", on {payload})"
-                else:  # "error": the replica stops; its engine's last words name the cause
-                    self.replicas.kill(r)
-                    self._lose(r, payload, retry)
-            for r, reason in self.replicas.lost().items():
-                if self.held[r].alive:
-                    self._lose(r, reason, retry)
+            for r, index, output in answers:
+                self.held[r].answered += 1
+                yield index, output
+            if not any(h.alive for h in self.held):  # raised only now: what came in before is handed on
+                raise ReplicasLost("every data-parallel replica is gone: " +
+                                   "; ".join(f"{h.name}: {h.fate}" for h in self.held) +
+                                   f"; {len(retry)} requests they held are unanswered")
+        self._clean = True
+
+    def _collect(self, retry: deque[Work]) -> list[tuple[int, int, RequestOutput | Exception]]:
+        """(replica, index, output) for each answer that came within POLL_S from a replica that still holds its
+        request (taken off its table); the requests of replicas that stopped go to `retry`."""
+        answers = []
+        for r, (kind, payload) in self.replicas.receive(POLL_S):
+            held = self.held[r]
+            if not held.alive:
+                continue
+            if kind == "results":  # an answer whose request was handed to another already is dropped
+                answers += [(r, index, output) for index, output in payload
+                            if held.requests.pop(index, None) is not None]
+            elif kind == "ready":  # where it runs: a Ray actor's host is known only now
+                held.name = held.name[:-1] + f", on {payload})"
+            else:  # "error": the replica stops; its engine's last words name the cause
+                self.replicas.kill(r)
+                self._lose(r, payload, retry)
+        for r, reason in self.replicas.lost().items():
+            if self.held[r].alive:
+                self._lose(r, reason, retry)
+        return answers
 
     def _feed(self, requests: Iterator[Work], retry: deque[Work], exhausted: bool) -> bool:
         """Top up to its credit every live replica with room for `refill` requests, one request at a time to the
@@ -156,10 +168,6 @@ class DataParallel:
         left = sum(h.alive for h in self.held)
         warnings.warn(f"data-parallel {held.name} is gone ({reason}); its {len(lost)} unfinished requests go to "
                       f"the {left} replica(s) left", RuntimeWarning, stacklevel=2)
-        if not left:
-            raise ReplicasLost("every data-parallel replica is gone: " +
-                               "; ".join(f"{h.name}: {h.fate}" for h in self.held) +
-                               f"; {len(retry)} requests they held are unanswered")
 
     def exit(self) -> None:
         """Stop the replicas (a clean stop lets engines release their memory; otherwise they are interrupted)."""

@@ -2,8 +2,8 @@
 
 Each replica has its own pipe. The driver closes its copy of the replica's end, so a replica that dies, even
 mid-message, reads as end-of-file once what it sent before dying has been read: no wait on a dead process. A
-thread in the replica moves incoming work into a local queue as it arrives, so the driver's sends never wait on
-an engine that is busy sending results (two full pipes waiting on each other).
+thread in the replica moves incoming work into a local queue as it arrives, and another sends its results
+(sender.py), so neither the driver's sends nor the engine wait on the pipe (nor two full pipes on each other).
 """
 import os
 import queue
