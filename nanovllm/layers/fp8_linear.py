@@ -79,10 +79,7 @@ def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, cols] -> (e4m3 rows, float32 scale [rows, 1]) with x ~ rows * scale; an all-zero row gets scale 1."""
-    x = x.float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax * FP8_MAX_RECIPROCAL, torch.ones_like(amax))
-    return _to_fp8(x, scale), scale
+    return quantize_per_group(x, x.size(-1))  # one group of the whole row
 
 
 def quantize_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
