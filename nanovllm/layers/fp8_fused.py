@@ -113,7 +113,7 @@ def rms_norm_quantized(x: torch.Tensor, weight: torch.Tensor, eps: float,
     result = _outputs(rows, cols, x)
     residual_out = torch.empty_like(x) if residual is not None else None
     if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == torch.bfloat16
     if result.values.size(0):
         _rms_norm_quantize_kernel[(result.values.size(0),)](
             x, x.stride(0), residual if residual is not None else x,

@@ -215,6 +215,8 @@ def quantize_in_producers(model: nn.Module) -> int:
     gate_up_proj) and the MLP's SiLU-and-mul (for down_proj), wherever that consumer is the op's only one.
     Returns how many ops were switched."""
     switched = 0
+    if fp8_linear.BF16_BELOW_ROWS > 0:  # small batches multiply a bf16 copy: they need the unquantized input
+        return switched
     for layer in model.modules():
         attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attention is None or not hasattr(layer, "input_layernorm"):
