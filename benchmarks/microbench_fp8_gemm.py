@@ -10,6 +10,7 @@ decode runs.
 The rows where FP8 first wins give the crossover (fp8_linear.BF16_BELOW_ROWS) and which mode wins per shape.
 """
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,9 @@ def main() -> None:
     parser.add_argument("--shape", default="Qwen3-8B", choices=sorted(SHAPES))
     parser.add_argument("--rows", default="16,64,256,1024,8192")
     parser.add_argument("--copies", type=int, default=4, help="weight copies rotated per layer (past L2)")
+    parser.add_argument("--producers", action="store_true",
+                        help="time RMSNorm and SiLU-and-mul writing the quantized input against the op, then the "
+                             "quantization kernel (layers/fp8_fused.py)")
     args = parser.parse_args()
     device = torch.device("cuda")
     fp8.SCALED_MM_ON_GPU = True  # the kernels themselves, whether or not the engine uses them yet
@@ -43,6 +47,8 @@ def main() -> None:
     if not rowwise:
         raise SystemExit("this GPU has no FP8 matmul (needs compute capability 8.9 or later)")
     g = torch.Generator(device).manual_seed(0)
+    if args.producers:
+        return producers(args, g, device)
     weights = {}
     for name, (n, k) in layer_shapes(args.shape).items():
         copies = []
@@ -96,6 +102,29 @@ def _call(mode, x, w, channel, block, x8_row, xs_row, x8_group, xs_group):
                                         out_dtype=torch.bfloat16, use_fast_accum=fast)
     return lambda: F.scaled_mm(x8_group, block.weight.t(), xs_group, fp8.ACT_1x128, block.kernel_scale,
                                fp8.WEIGHT_128x128, output_dtype=torch.bfloat16)
+
+
+def producers(args, g, device) -> None:
+    """The ops before the block-scaled matmuls, per row count: unfused (the op, then the quantization kernel)
+    against fused, in us."""
+    from nanovllm.layers.activation import silu_and_mul
+    from nanovllm.layers.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
+    from nanovllm.layers.layernorm import add_rms_norm
+
+    c = SHAPES[args.shape]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+    print("| rows | add+RMSNorm, quantize | fused | SiLU-and-mul, quantize | fused |")
+    print("| --- | --- | --- | --- | --- |")
+    for rows in (int(r) for r in args.rows.split(",")):
+        x, residual = (torch.randn(rows, hidden, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+        gate_up = torch.randn(rows, 2 * inter, generator=g, device=device, dtype=torch.bfloat16)
+        calls = [lambda x, residual: fp8.quantized_input(add_rms_norm(x, residual, weight, 1e-6)[0], 128, 4),
+                 lambda x, residual: rms_norm_quantized(x, weight, 1e-6, residual)]
+        times = [graph_time_us([functools.partial(call, x, residual)], repeat=20) for call in calls]
+        times += [graph_time_us([functools.partial(call, gate_up)], repeat=20)
+                  for call in (lambda y: fp8.quantized_input(silu_and_mul(y), 128, 4), silu_and_mul_quantized)]
+        print(f"| {rows} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
 
 
 def _row(rows: int, name: str, times: dict[str, float], modes: list[str]) -> None:

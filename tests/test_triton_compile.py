@@ -14,6 +14,7 @@ from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
 from nanovllm.layers.fp8_activation import _quantize_activations_kernel
+from nanovllm.layers.fp8_fused import _rms_norm_quantize_kernel, _silu_and_mul_quantize_kernel
 from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
                                                    _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul
@@ -56,6 +57,10 @@ KERNELS = [
     *((_quantize_activations_kernel, dict(COLS=cols, GROUP=group, GROUPS=4, PER_ROW=per_row),
        {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}) for cols, group, per_row in ((4096, 128, False),
                                                                                   (12288, 1024, True))),
+    # the ops before a block-scaled FP8 linear, writing its input (Qwen3-8B's hidden and intermediate sizes)
+    *((_rms_norm_quantize_kernel, dict(COLS=4096, GROUPS=32, HAS_RESIDUAL=residual),
+       {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}) for residual in (False, True)),
+    (_silu_and_mul_quantize_kernel, dict(WIDTH=12288, GROUPS=4), {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape
     *((_grouped_matmul, dict(A_ROW_DIVISOR=divisor, MUL_WEIGHTS=divisor == 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), {})
       for divisor in (8, 1) for m, n, k in ((16, 64, 128), (32, 64, 128), (64, 128, 64))),

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.fp8_activation import quantize_activations
+from nanovllm.layers.fp8_fused import Fp8Input
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -148,11 +149,13 @@ def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
                             use_fast_accum=FAST_ACCUM)
 
 
-def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    rows = x.size(0)
-    # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4 (padding rows' outputs
-    # are dropped below) and reads them column-major
-    x8, x_scale = quantized_input(x, BLOCK, 4)
+def _scaled_mm_block(x: torch.Tensor | Fp8Input, weight: Fp8Weight) -> torch.Tensor:
+    if isinstance(x, Fp8Input):  # quantized by the op that made it (fp8_fused.py)
+        rows, x8, x_scale = x.rows, x.values, x.scales
+    else:
+        # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4 (padding rows'
+        # outputs are dropped below) and reads them column-major
+        rows, (x8, x_scale) = x.size(0), quantized_input(x, BLOCK, 4)
     # no fast accumulation: the block-scaled kernels apply the scales per 128-deep K step themselves
     y = F.scaled_mm(x8, weight.weight.t(), x_scale, ACT_1x128, weight.kernel_scale, WEIGHT_128x128,
                     output_dtype=x.dtype)
@@ -168,8 +171,13 @@ def block_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
     return padded.t()
 
 
-def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ bias) for an FP8 weight; x is [..., in] in the model dtype and y comes back in it."""
+def fp8_linear(x: torch.Tensor | Fp8Input, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ bias) for an FP8 weight; x is [..., in] in the model dtype and y comes back in it, or x is an
+    Fp8Input for a block-scaled weight (then y is [rows, out])."""
+    if isinstance(x, Fp8Input):
+        assert weight.mode == "block" and weight.kernel_scale is not None
+        y = _scaled_mm_block(x, weight)
+        return y if bias is None else y + bias
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if weight.dense is not None and x.size(0) < BF16_BELOW_ROWS:

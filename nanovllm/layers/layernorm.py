@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers import fused
+from nanovllm.layers.fp8_fused import rms_norm_quantized
 
 
 @fused
@@ -21,6 +22,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
+    # set by layers/fp8_model.py where the consumer is a block-scaled FP8 linear layer: the output is then its
+    # quantized input (layers/fp8_fused.py), on CUDA
+    fp8_output = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -31,6 +36,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # free functions, not methods, are compiled: a compiled method would keep its module (and an
         # engine's weights) alive in the compile cache after the engine exits
+        if self.fp8_output and x.is_cuda:
+            return rms_norm_quantized(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
