@@ -86,3 +86,19 @@ def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, gro
     assert x8[rows:].float().eq(0).all() and scales[rows:].eq(1).all()  # padding rows
     if group is not None:  # column-major, as BlockWise1x128 reads the activation scales
         assert scales.stride() == (1, padded)
+
+
+def test_quantization_at_load_uses_blocks_only_where_they_tile_each_part():
+    from nanovllm.layers.fp8_model import _blocks_fit, _quantize_blockwise_in_slabs
+    from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+    from nanovllm.utils.parallel import TensorParallelGroup
+
+    one = TensorParallelGroup(rank=0, size=1)
+    with torch.device("meta"):
+        aligned = QKVParallelLinear(256, 128, 2, 1, one)  # q 256 rows, k and v 128 each
+        split_block = QKVParallelLinear(256, 64, 4, 1, one)  # k and v of 64 rows would share a block
+        row_parallel = RowParallelLinear(384, 256, one)
+    assert _blocks_fit(aligned) and not _blocks_fit(split_block) and _blocks_fit(row_parallel)
+    weight = torch.randn(2 * 1024 + 256, 384)  # slabs of 1,024 rows, the last one shorter
+    slabs, whole = _quantize_blockwise_in_slabs(weight), quantize_blockwise(weight)
+    assert torch.equal(slabs[0].view(torch.uint8), whole[0].view(torch.uint8)) and torch.equal(slabs[1], whole[1])

@@ -201,6 +201,22 @@ def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> F
     return summary
 
 
+def _blocks_fit(layer: Linear) -> bool:
+    """Whether 128x128 blocks tile this rank's weight with no block across two packed parts (q/k/v, gate/up),
+    as the published checkpoints' blocks do."""
+    rows, cols = layer.weight.shape
+    parts = [p // layer.tp_size for p in _column_parts(layer).values()] if isinstance(layer, ColumnParallelLinear) \
+        else [rows]
+    return cols % fp8_linear.BLOCK == 0 and all(p % fp8_linear.BLOCK == 0 for p in parts)
+
+
+def _quantize_blockwise_in_slabs(weight: torch.Tensor, slab: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blockwise a slab of rows at a time: its float32 temporaries (several copies of what it quantizes)
+    then stay small beside the model-dtype weights still on the device."""
+    parts = [quantize_blockwise(weight[start:start + slab]) for start in range(0, weight.size(0), slab)]
+    return torch.cat([w8 for w8, _ in parts]), torch.cat([scale for _, scale in parts])
+
+
 def _quantize_at_load(layers: dict[str, Linear], dtype: torch.dtype) -> dict[str, tuple[Fp8Weight, str]]:
     """quantization='fp8': each layer's weight in e4m3 (now its `weight`), as the device multiplies fastest.
 
@@ -214,8 +230,8 @@ def _quantize_at_load(layers: dict[str, Linear], dtype: torch.dtype) -> dict[str
     for name, layer in layers.items():
         weight = layer.weight.data
         rowwise, blockwise = fp8_linear.fp8_supported(weight.device) if dtype == torch.bfloat16 else (False, False)
-        if blockwise and weight.size(0) % fp8_linear.BLOCK == 0 and weight.size(1) % fp8_linear.BLOCK == 0:
-            (w8, scale), mode = quantize_blockwise(weight), "block"
+        if blockwise and _blocks_fit(layer):
+            (w8, scale), mode = _quantize_blockwise_in_slabs(weight), "block"
         else:
             (w8, scale), mode = fp8_linear.quantize_per_channel(weight), "channel" if rowwise else "channel (emulated)"
         staged[name] = (w8.cpu() if w8.is_cuda else w8, scale, mode)
