@@ -38,7 +38,7 @@ def test_rowwise_scaled_mm_call_matches_the_emulation():
     w8, scale = fp8.quantize_per_channel(weight)
     channel = fp8.Fp8Weight(w8, scale, "channel", scale.view(1, -1))
     # float32 sums of 512 products in two orders (the thread count changes torch's): 1e-4, not bit equality
-    torch.testing.assert_close(fp8._scaled_mm_channel(x, channel, None), fp8.emulate_channel(x, channel),
+    torch.testing.assert_close(fp8._scaled_mm_channel(x, channel), fp8.emulate_channel(x, channel),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -51,12 +51,12 @@ def test_blockwise_call_layouts_pass_torch_checks(rows, cols):
     assert kernel_scale.shape[1] == 2 and kernel_scale.stride(0) == 1
     torch.testing.assert_close(kernel_scale.t()[:, :cols // 128], scale, rtol=0, atol=0)
     block = fp8.Fp8Weight(w8.to("meta"), scale.to("meta"), "block", kernel_scale.to("meta"))
-    y = fp8._scaled_mm_block(torch.empty(rows, cols, device="meta", dtype=torch.bfloat16), block, None)
+    y = fp8._scaled_mm_block(torch.empty(rows, cols, device="meta", dtype=torch.bfloat16), block)
     assert list(y.shape) == [rows, 256] and y.dtype == torch.bfloat16
     # and a wrong layout is refused, so the check above is not vacuous
     wrong = fp8.Fp8Weight(block.weight, block.scale, "block", scale.to("meta"))
     with pytest.raises(RuntimeError):
-        fp8._scaled_mm_block(torch.empty(rows, cols, device="meta", dtype=torch.bfloat16), wrong, None)
+        fp8._scaled_mm_block(torch.empty(rows, cols, device="meta", dtype=torch.bfloat16), wrong)
 
 
 def test_group_quantization_scales_each_128_columns():

@@ -145,22 +145,21 @@ def quantized_input(x: torch.Tensor, group: int | None, row_multiple: int = 1) -
                                    device=scale.device).copy_(scale)
 
 
-def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     x8, x_scale = quantized_input(x, None)
-    y = torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
-                         use_fast_accum=FAST_ACCUM)
-    return y if bias is None else y + bias
+    return torch._scaled_mm(x8, weight.weight.t(), scale_a=x_scale, scale_b=weight.kernel_scale, out_dtype=x.dtype,
+                            use_fast_accum=FAST_ACCUM)
 
 
-def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+def _scaled_mm_block(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     rows = x.size(0)
     # cuBLAS's block-scaled kernel wants the activation scales' token count a multiple of 4 (padding rows' outputs
     # are dropped below) and reads them column-major
     x8, x_scale = quantized_input(x, BLOCK, 4)
     # no fast accumulation: the block-scaled kernels apply the scales per 128-deep K step themselves
     y = F.scaled_mm(x8, weight.weight.t(), x_scale, ACT_1x128, weight.kernel_scale, WEIGHT_128x128,
-                    output_dtype=x.dtype)[:rows]
-    return y if bias is None else y + bias
+                    output_dtype=x.dtype)
+    return y[:rows]
 
 
 def block_kernel_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -177,13 +176,14 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) ->
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     if weight.dense is not None and x.size(0) < BF16_BELOW_ROWS:
-        y = F.linear(x, weight.dense, bias)
+        y = F.linear(x, weight.dense)
     elif weight.kernel_scale is None:
         assert weight.mode == "channel", "block-scaled weights are dequantized at load where no kernel runs them"
         y = emulate_channel(x, weight).to(x.dtype)
-        y = y if bias is None else y + bias
     elif weight.mode == "channel":
-        y = _scaled_mm_channel(x, weight, bias)
+        y = _scaled_mm_channel(x, weight)
     else:
-        y = _scaled_mm_block(x, weight, bias)
+        y = _scaled_mm_block(x, weight)
+    if bias is not None:
+        y = y + bias
     return y.view(*shape[:-1], y.size(-1))
