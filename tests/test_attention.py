@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention import LayerKV, make_attention_backend
-from nanovllm.attention.flash_attn_backend import store_kvcache
+from nanovllm.attention.flash_attn_backend import FlashAttnBackend, store_kvcache
 from nanovllm.attention.paged_decode import paged_decode_attention
 from nanovllm.attention.torch_backend import TorchBackend, store_kvcache_torch
 from nanovllm.attention.triton_backend import TritonBackend
@@ -131,8 +131,11 @@ def test_triton_decode_kernel_matches_flash_attn_on_gpu():
     assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
 
 
-def test_backends_write_the_same_cache_and_rotate_the_same_way():
-    """The Triton backend's fused q/k-norm + RoPE + KV write equals the plain path (norms, RoPE, then a store)."""
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_backends_write_the_same_cache_and_rotate_the_same_way(qk_norm):
+    """The Triton backend's fused q/k-norm + RoPE + KV write equals the plain path (norms, RoPE, then a store);
+    the flash_attn backend's (the same norm + RoPE kernel, then its own store) equals the Triton backend's bit for
+    bit."""
     torch.manual_seed(0)
     num_tokens, head_dim = 6, 64
     q, k, v = torch.randn(num_tokens, H, head_dim), torch.randn(num_tokens, KV_H, head_dim), torch.randn(
@@ -144,14 +147,16 @@ def test_backends_write_the_same_cache_and_rotate_the_same_way():
     for norm in norms:
         norm.weight.data.uniform_(0.5, 1.5)
     results = []
-    for backend in (TorchBackend(), TritonBackend()):
+    for backend in (TorchBackend(), TritonBackend(), FlashAttnBackend()):
         cache = LayerKV(torch.zeros(4, BS, KV_H, head_dim), torch.zeros(4, BS, KV_H, head_dim))
-        results.append((*backend.rope_and_store(positions, q, k, v, rope, norms, cache, slots), cache))
-    (q0, k0, c0), (q1, k1, c1) = results
+        results.append((*backend.rope_and_store(positions, q, k, v, rope, norms if qk_norm else None, cache, slots),
+                        cache))
+    (q0, k0, c0), (q1, k1, c1), (q2, k2, c2) = results
     torch.testing.assert_close(q1, q0)
     torch.testing.assert_close(k1, k0)
     torch.testing.assert_close(c1.k, c0.k)
     assert torch.equal(c1.v, c0.v) and c0.k.view(-1, KV_H, head_dim)[60].abs().sum() > 0
+    assert torch.equal(q2, q1) and torch.equal(k2, k1) and torch.equal(c2.k, c1.k) and torch.equal(c2.v, c1.v)
 
 
 def test_backend_choice_is_checked():

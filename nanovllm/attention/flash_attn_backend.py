@@ -1,9 +1,11 @@
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
 from nanovllm.attention.kv_quant import to_fp8
+from nanovllm.layers.rotary_embedding import qk_norm_rope
 from nanovllm.utils.context import Context
 
 
@@ -102,6 +104,21 @@ class FlashAttnBackend(AttentionBackend):
     def check_block_size(self, block_size: int) -> None:
         if block_size % 256 != 0:
             raise ValueError(f"kvcache_block_size={block_size}: flash-attn's paged KV needs a multiple of 256")
+
+    def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       rope: nn.Module, qk_norms: tuple[nn.Module, nn.Module] | None, cache: LayerKV | None,
+                       slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # Qwen3's q/k norms and RoPE in our Triton kernel, not the torch.compile'd modules: a compiled reduction's
+        # kernel depends on what the process compiled before, and eager decode then differed from CUDA-graph
+        # decode in a process where other engines had run first
+        if qk_norms is None:
+            q, k = qk_norm_rope(positions, q, k, None, None, 0.0, rope.cos_sin_cache)
+        else:
+            q_norm, k_norm = qk_norms
+            q, k = qk_norm_rope(positions, q, k, q_norm.weight, k_norm.weight, q_norm.eps, rope.cos_sin_cache)
+        if cache is not None:
+            self.store(k, v, cache, slot_mapping)
+        return q, k
 
     def store(self, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
         store_kvcache(k, v, cache, slot_mapping)
