@@ -66,8 +66,10 @@ def main() -> None:
         print(f"{batch:>6} {used:>12} {loop_us:>9.1f} {eager_us:>11.1f} {graph_us:>11.1f} "
               f"{used * expert_bytes / graph_us / 1e3:>6.0f} {loop_us / graph_us:>6.1f}x  {config}")
         if args.sweep:
-            for m, n, k, warps, stages in itertools.product((16, 32, 64, 128), (32, 64, 128), (64, 128),
-                                                            (4, 8), (2, 3, 4)):
+            # taller tiles than twice the pairs an expert gets would be mostly padding
+            pairs_per_expert = ids.numel() / args.experts
+            heights = [m for m in (16, 32, 64, 128) if m == 16 or m <= 2 * pairs_per_expert]
+            for m, n, k, warps, stages in itertools.product(heights, (32, 64, 128), (64, 128), (4, 8), (2, 3, 4)):
                 candidate = TileConfig(m, n, k, warps, stages)
                 try:
                     us = graph_time_us(calls(experts_triton, x, layers, weights, ids, candidate))
