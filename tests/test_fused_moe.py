@@ -49,10 +49,13 @@ def test_triton_path_matches_the_loop_in_float32(num_tokens, num_experts, top_k)
 
 
 def test_default_tile_configs_in_float32():
-    for num_tokens in (1, 64):  # the decode and the prefill configuration
+    configs = set()
+    for num_tokens in (1, 64, 128, 256):  # 1 to 128 pairs per expert: each of tile_config's choices
         x, w13, w2, weights, ids = problem(num_tokens, 4, 2, 256, 128, "cpu", torch.float32, seed=num_tokens)
+        configs.add(tile_config(ids.numel(), 4))
         torch.testing.assert_close(experts_triton(x, w13, w2, weights, ids),
                                    experts_torch(x, w13, w2, weights, ids), rtol=1e-4, atol=1e-4)
+    assert len(configs) == 4, configs
 
 
 def test_no_tokens():
@@ -61,7 +64,7 @@ def test_no_tokens():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 2000])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 256, 2000, 4096])
 def test_bf16_on_the_gpu_matches_the_loop(num_tokens):
     """Qwen3-30B-A3B's expert shapes at TP=2 (128 experts, 8 per token), with the engine's tile choice."""
     x, w13, w2, weights, ids = problem(num_tokens, 128, 8, 2048, 384, "cuda", torch.bfloat16)
