@@ -1,0 +1,106 @@
+"""The floor under bench.py's run time for a shape and workload on one GPU: what its memory bandwidth and matmul
+throughput allow, with nothing else costing time. Needs no GPU.
+
+    python benchmarks/roofline.py --shape Llama-3.1-8B [--workload default] [--bandwidth 4.8 --tflops 790]
+
+Model of a run (bench.py's lengths, its seed): every request starts together; each decode step reads the weights
+once (a MoE layer only the experts the step's tokens pick, in expectation) or does its matmul arithmetic, whichever
+takes longer, and reads every running request's whole KV context; prefill is matmul arithmetic. Attention's own
+arithmetic, the small kernels and the host are left out, so a measured run is slower by what they cost. The
+defaults are an H200's: 4.8 TB/s of HBM, ~790 TFLOP/s of dense bf16 matmul.
+"""
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from random import randint, seed
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import WORKLOADS  # noqa: E402
+from nanovllm.utils.random_checkpoint import SHAPES, model_config  # noqa: E402
+
+
+@dataclass
+class ModelBytes:
+    dense_params: int  # per token: attention, dense MLPs, norms (every token uses them)
+    expert_params: int  # one expert of one MoE layer
+    moe_layers: int
+    experts: int
+    experts_per_token: int
+    head_params: int  # the LM head, used once per generated token
+    kv_bytes_per_token: int
+    bytes_per_param: int = 2  # of the linear layers but the LM head
+
+    def expected_experts(self, tokens: int) -> float:
+        """Distinct experts that `tokens` tokens pick in one MoE layer with uniform routing, in expectation."""
+        return self.experts * (1 - (1 - self.experts_per_token / self.experts) ** tokens) if self.experts else 0
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        used = self.moe_layers * self.expected_experts(tokens) * self.expert_params
+        return (self.dense_params + used) * self.bytes_per_param + self.head_params * 2  # FP8 keeps a bf16 head
+
+    def flops_per_token(self, with_head: bool) -> int:
+        active = self.dense_params + self.moe_layers * self.experts_per_token * self.expert_params
+        return 2 * (active + (self.head_params if with_head else 0))
+
+
+def model_bytes(shape: str, layers: int | None, fp8_weights: bool, fp8_kv: bool) -> tuple[ModelBytes, int]:
+    """The shape's sizes, and the largest token id bench.py draws for it."""
+    c = model_config(shape, **({"num_hidden_layers": layers} if layers else {}))
+    hidden, n_layers = c["hidden_size"], c["num_hidden_layers"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    attention = hidden * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    moe = c.get("num_experts", 0)
+    mlp = 0 if moe else 3 * hidden * c["intermediate_size"]
+    expert = 3 * hidden * c["moe_intermediate_size"] if moe else 0
+    return ModelBytes(dense_params=n_layers * (attention + mlp + moe * hidden),
+                      expert_params=expert, moe_layers=n_layers if moe else 0, experts=moe,
+                      experts_per_token=c.get("num_experts_per_tok", 0), head_params=c["vocab_size"] * hidden,
+                      kv_bytes_per_token=n_layers * c["num_key_value_heads"] * head_dim * 2 * (1 if fp8_kv else 2),
+                      bytes_per_param=1 if fp8_weights else 2), min(10000, c["vocab_size"] - 1)
+
+
+def floor_seconds(model: ModelBytes, workload: dict, bandwidth: float, flops: float,
+                  max_token_id: int) -> dict[str, float]:
+    """Seconds of each part of the floor over one run of `workload` (bench.py's lengths)."""
+    seed(0)  # bench.py draws each prompt's length, then its token ids, then the output lengths
+    prompts = []
+    for _ in range(workload["num_seqs"]):
+        prompts.append(randint(workload["min_input_len"], workload["max_input_len"]))
+        for _ in range(prompts[-1]):
+            randint(0, max_token_id)
+    outputs = [randint(workload["min_output_len"], workload["max_output_len"]) for _ in range(workload["num_seqs"])]
+    prefill = sum(prompts) * model.flops_per_token(with_head=False) / flops
+    matmuls = kv = 0.0
+    for step in range(1, max(outputs)):  # the first token of each request comes from its prefill
+        running = [p + step for p, o in zip(prompts, outputs) if o > step]
+        tokens = len(running)
+        matmuls += max(model.step_weight_bytes(tokens) / bandwidth, tokens * model.flops_per_token(True) / flops)
+        kv += sum(running) * model.kv_bytes_per_token / bandwidth
+    return {"prefill matmuls": prefill, "decode matmuls": matmuls, "decode KV reads": kv,
+            "tokens": sum(outputs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="Qwen3-0.6B", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="a shape cut to this many layers")
+    parser.add_argument("--workload", default="default", choices=sorted(WORKLOADS))
+    parser.add_argument("--bandwidth", type=float, default=4.8, help="HBM TB/s (default: an H200's 4.8)")
+    parser.add_argument("--tflops", type=float, default=790.0, help="dense bf16 matmul TFLOP/s (default: 790)")
+    parser.add_argument("--fp8-weights", action="store_true", help="1-byte weights, FP8 matmuls at twice --tflops")
+    parser.add_argument("--fp8-kv", action="store_true", help="a 1-byte KV cache")
+    args = parser.parse_args()
+    model, max_token_id = model_bytes(args.shape, args.layers, args.fp8_weights, args.fp8_kv)
+    flops = args.tflops * 1e12 * (2 if args.fp8_weights else 1)
+    parts = floor_seconds(model, WORKLOADS[args.workload], args.bandwidth * 1e12, flops, max_token_id)
+    tokens = parts.pop("tokens")
+    total = sum(parts.values())
+    variant = "".join(f", {name}" for name, on in (("FP8 weights", args.fp8_weights), ("FP8 KV", args.fp8_kv)) if on)
+    print(f"{args.shape}{f' ({args.layers} layers)' if args.layers else ''}{variant}, workload {args.workload}: "
+          + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
+          + f"; floor {total:.2f} s = {tokens / total:,.0f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
