@@ -1,5 +1,6 @@
 """example.py and `python -m nanovllm.utils.random_checkpoint`: their command lines, and what a failed write
 leaves behind (nothing)."""
+import json
 import os
 import runpy
 import sys
@@ -63,3 +64,17 @@ def test_a_write_that_fails_leaves_no_folder_behind(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         random_checkpoint.write_random_checkpoint(str(existing / "a" / "b"), "tiny")
     assert os.listdir(existing) == []  # the folders it made are gone; the one it found stays
+
+
+def test_layers_cuts_a_shape_and_a_bad_count_is_refused(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cut"
+    monkeypatch.setattr(sys, "argv", ["random_checkpoint", str(out), "--shape", "tiny", "--layers", "1"])
+    random_checkpoint.main()
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        assert {name.split(".")[2] for name in weights.keys() if name.startswith("model.layers.")} == {"0"}
+    assert run_main(["random_checkpoint", str(tmp_path / "none"), "--layers", "0"], monkeypatch) == 2
+    assert "--layers 0: a model needs at least 1 layer" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

@@ -275,8 +275,13 @@ def main() -> None:
                              f"Qwen3-0.6B, about 1.2 GB)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default: 0)")
     parser.add_argument("--fp8", action="store_true", help="the published FP8 layout (as a -FP8 shape name does)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="only the first N decoder layers (a large shape that must fit a smaller disk)")
     args = parser.parse_args()
-    write_random_checkpoint(args.path, args.shape, seed=args.seed, fp8=args.fp8)
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: a model needs at least 1 layer")
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    write_random_checkpoint(args.path, args.shape, seed=args.seed, fp8=args.fp8, **overrides)
     print(f"wrote a random-weight {args.shape} checkpoint to {args.path}")
 
 
