@@ -108,9 +108,9 @@ class FlashAttnBackend(AttentionBackend):
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rope: nn.Module, qk_norms: tuple[nn.Module, nn.Module] | None, cache: LayerKV | None,
                        slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # Qwen3's q/k norms and RoPE in our Triton kernel, not the torch.compile'd modules: a compiled reduction's
-        # kernel depends on what the process compiled before, and eager decode then differed from CUDA-graph
-        # decode in a process where other engines had run first
+        # Qwen3's q/k norms and RoPE in the triton backend's kernel, not the torch.compile'd modules: with those,
+        # eager decode differed from CUDA-graph decode in a process where other engines had run first, and the
+        # two backends' q/k paths are now the same bits
         if qk_norms is None:
             q, k = qk_norm_rope(positions, q, k, None, None, 0.0, rope.cos_sin_cache)
         else:
