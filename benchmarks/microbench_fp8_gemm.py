@@ -104,7 +104,7 @@ def _call(mode, x, w, channel, block, x8_row, xs_row, x8_group, xs_group):
                                fp8.WEIGHT_128x128, output_dtype=torch.bfloat16)
 
 
-def producers(args, g, device) -> None:
+def producers(args: argparse.Namespace, g: torch.Generator, device: torch.device) -> None:
     """The ops before the block-scaled matmuls, per row count: unfused (the op, then the quantization kernel)
     against fused, in us."""
     from nanovllm.layers.activation import silu_and_mul

@@ -1,6 +1,7 @@
 """The norm and activation kernels that write a block-scaled FP8 linear layer's quantized input
-(nanovllm/layers/fp8_fused.py), on CPU in Triton's interpreter: against the unfused pair (the op, then
-quantize_per_group), the padding rows and scale layout the matmul reads, and which ops the engine switches."""
+(nanovllm/layers/fp8_fused.py), on CPU in Triton's interpreter and compiled on the GPU: against the unfused pair
+(the op, then quantize_per_group), the padding rows and scale layout the matmul reads, and which ops the engine
+switches."""
 import pytest
 import torch
 from transformers import AutoConfig
@@ -14,9 +15,9 @@ from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import model_config
 
 
-def activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+def activations(rows: int, cols: int, seed: int, device: str = "cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(rows, cols, generator=g) * torch.logspace(-1, 1, cols)).to(torch.bfloat16)
+    return (torch.randn(rows, cols, generator=g) * torch.logspace(-1, 1, cols)).to(torch.bfloat16).to(device)
 
 
 def assert_quantized_like(result: Fp8Input, reference: torch.Tensor, rows: int, exact: bool) -> None:
@@ -39,14 +40,12 @@ def assert_quantized_like(result: Fp8Input, reference: torch.Tensor, rows: int, 
     assert result.values[rows:].float().eq(0).all() and result.scales[rows:].eq(1).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 8])
-@pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm_writes_the_quantized_norm(rows, residual):
-    x = activations(rows, 512, rows)
+def check_rms_norm(rows: int, cols: int, residual: bool, device: str) -> None:
+    x = activations(rows, cols, rows, device)
     x[0, :128] = 0  # with the residual too: an all-zero input group still normalises to something
-    weight = (1 + 0.1 * torch.randn(512, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(cols, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16).to(device)
     if residual:
-        res = activations(rows, 512, 100 + rows)
+        res = activations(rows, cols, 100 + rows, device)
         result, residual_out = rms_norm_quantized(x, weight, 1e-6, res)
         normed, expected_residual = add_rms_norm(x, res, weight, 1e-6)
         assert torch.equal(residual_out, expected_residual)
@@ -56,15 +55,34 @@ def test_rms_norm_writes_the_quantized_norm(rows, residual):
     assert result.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("rows,width", [(1, 256), (6, 640), (9, 1536)])
-def test_silu_and_mul_writes_the_quantized_product(rows, width):
-    x = activations(rows, 2 * width, width)
+def check_silu_and_mul(rows: int, width: int, device: str, exact: bool) -> None:
+    x = activations(rows, 2 * width, width, device)
     x[-1, width:width + 128] = 0  # an all-zero up group: scale 1
     gate, up = x.float().chunk(2, -1)
-    # activation.silu_and_mul_kernel's arithmetic (float32, one rounding); sigmoid may differ from torch's in the
-    # last float32 bit, which rarely moves a bf16 rounding
+    # activation.silu_and_mul_kernel's arithmetic (float32, one rounding)
     assert_quantized_like(silu_and_mul_quantized(x), (gate * torch.sigmoid(gate) * up).to(torch.bfloat16), rows,
-                          exact=False)
+                          exact=exact)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_writes_the_quantized_norm(rows, residual):
+    check_rms_norm(rows, 512, residual, "cpu")
+
+
+@pytest.mark.parametrize("rows,width", [(1, 256), (6, 640), (9, 1536)])
+def test_silu_and_mul_writes_the_quantized_product(rows, width):
+    check_silu_and_mul(rows, width, "cpu", exact=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 37, 256])
+def test_the_compiled_kernels_on_the_gpu(rows):
+    """Qwen3-8B's widths; the GPU's sigmoid may differ from torch's in the last float32 bit, which can move a
+    bf16 rounding, so SiLU-and-mul is held to the same bar as the norm there."""
+    for residual in (False, True):
+        check_rms_norm(rows, 4096, residual, "cuda")
+    check_silu_and_mul(rows, 12288, "cuda", exact=False)
 
 
 def test_a_block_scaled_layer_takes_the_quantized_input_as_is():
@@ -82,7 +100,7 @@ def test_a_block_scaled_layer_takes_the_quantized_input_as_is():
 
 
 @pytest.mark.parametrize("shape,expected", [("Qwen3-8B", 3), ("Qwen3-30B-A3B", 1)])
-def test_the_ops_before_block_scaled_layers_are_switched(shape, expected):
+def test_the_ops_before_block_scaled_layers_are_switched(shape, expected, monkeypatch):
     """Per decoder layer: the input norm (qkv), the post-attention norm and SiLU-and-mul of a dense MLP; a MoE
     layer's post-attention norm feeds the router and the bf16 experts, so it stays as it is."""
     overrides = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=2,
@@ -95,6 +113,13 @@ def test_the_ops_before_block_scaled_layers_are_switched(shape, expected):
     for module in model.modules():
         if hasattr(module, "fp8") and hasattr(module, "weight") and module.weight.dim() == 2:
             module.fp8 = fp8.Fp8Weight(module.weight, torch.empty(1, 1), "block", torch.empty(1, 1))
+    assert quantize_in_producers(model) == expected * 2
+    switched = [m for m in model.modules() if getattr(m, "fp8_output", False)]
+    for module in switched:
+        module.fp8_output = False
+    monkeypatch.setattr(fp8, "BF16_BELOW_ROWS", 64)  # small batches multiply bf16 copies: unquantized input
+    assert quantize_in_producers(model) == 0
+    monkeypatch.setattr(fp8, "BF16_BELOW_ROWS", 0)
     assert quantize_in_producers(model) == expected * 2
     layer = model.model.layers[0]
     assert layer.input_layernorm.fp8_output and not model.model.norm.fp8_output

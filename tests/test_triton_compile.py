@@ -63,7 +63,7 @@ KERNELS = [
     (_silu_and_mul_quantize_kernel, dict(WIDTH=12288, GROUPS=4), {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}),
     # Qwen3-30B-A3B's experts: gate/up (rows of pair // top_k, no weights), down (weights applied), each tile shape
     *((_grouped_matmul, dict(A_ROW_DIVISOR=divisor, MUL_WEIGHTS=divisor == 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k), {})
-      for divisor in (8, 1) for m, n, k in ((16, 64, 128), (32, 64, 128), (64, 128, 64))),
+      for divisor in (8, 1) for m, n, k in ((16, 64, 128), (32, 64, 128), (64, 128, 64), (128, 128, 64))),
 ]
 failed = 0
 for kernel, constexprs, overrides in KERNELS:

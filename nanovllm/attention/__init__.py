@@ -1,7 +1,7 @@
 """Attention backends: how keys and values reach the paged KV cache and how queries read them.
 
-- `flash_attn`: Triton store_kvcache, flash-attn varlen prefill, flash_attn_with_kvcache decode (the reference
-  engine's path).
+- `flash_attn`: the q/k-norm + RoPE kernel, then Triton store_kvcache; flash-attn varlen prefill,
+  flash_attn_with_kvcache decode (the reference engine's path).
 - `triton`: flash-attn prefill, KV write fused into q/k-norm + RoPE, our split-context decode kernel (fastest).
 - `torch`: plain torch over the same cache (CPU).
 """

@@ -96,8 +96,8 @@ def dequantized_blocks(cache: LayerKV, context: Context, dtype: torch.dtype) -> 
 
 
 class FlashAttnBackend(AttentionBackend):
-    """The reference nano-vllm's path: Triton store_kvcache, flash-attn varlen prefill (paged when a prefix is cached)
-    and flash-attn's paged decode (flash_attn_with_kvcache)."""
+    """The reference nano-vllm's path: q/k norms and RoPE, then Triton store_kvcache; flash-attn varlen prefill
+    (paged when a prefix is cached) and flash-attn's paged decode (flash_attn_with_kvcache)."""
 
     name = "flash_attn"
 

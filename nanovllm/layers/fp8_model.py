@@ -212,7 +212,8 @@ def _block_scaled(layer: nn.Module | None) -> bool:
 def quantize_in_producers(model: nn.Module) -> int:
     """Have the op before each block-scaled FP8 linear layer write that layer's quantized input itself
     (layers/fp8_fused.py): a decoder layer's input norm (for qkv_proj), its post-attention norm (for a dense MLP's
-    gate_up_proj) and the MLP's SiLU-and-mul (for down_proj), wherever that consumer is the op's only one.
+    gate_up_proj) and the MLP's SiLU-and-mul (for down_proj): in these decoders each of those ops feeds only that
+    layer, which a MoE layer's post-attention norm (router and experts) does not.
     Returns how many ops were switched."""
     switched = 0
     if fp8_linear.BF16_BELOW_ROWS > 0:  # small batches multiply a bf16 copy: they need the unquantized input
