@@ -7,8 +7,7 @@ import torch
 from transformers import AutoConfig
 
 from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_fused import Fp8Input, rms_norm_quantized, silu_and_mul_quantized
-from nanovllm.layers.fp8_model import quantize_in_producers
+from nanovllm.layers.fp8_fused import Fp8Input, quantize_in_producers, rms_norm_quantized, silu_and_mul_quantized
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.models import model_class
 from nanovllm.utils.parallel import TensorParallelGroup
@@ -103,7 +102,7 @@ def test_a_block_scaled_layer_takes_the_quantized_input_as_is():
 
 
 @pytest.mark.parametrize("shape,expected", [("Qwen3-8B", 3), ("Qwen3-30B-A3B", 1)])
-def test_the_ops_before_block_scaled_layers_are_switched(shape, expected, monkeypatch):
+def test_the_ops_before_block_scaled_layers_are_switched(shape, expected):
     """Per decoder layer: the input norm (qkv), the post-attention norm and SiLU-and-mul of a dense MLP; a MoE
     layer's post-attention norm feeds the router and the bf16 experts, so it stays as it is."""
     overrides = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=2,
@@ -112,18 +111,17 @@ def test_the_ops_before_block_scaled_layers_are_switched(shape, expected, monkey
     config = AutoConfig.for_model(**model_config(shape, **overrides))
     with torch.device("meta"):
         model = model_class(config)(config, TensorParallelGroup(rank=0, size=1))
-    assert quantize_in_producers(model) == 0  # nothing is FP8 yet
+    assert quantize_in_producers(model, 0) == 0  # nothing is FP8 yet
     for module in model.modules():
         if hasattr(module, "fp8") and hasattr(module, "weight") and module.weight.dim() == 2:
             module.fp8 = fp8.Fp8Weight(module.weight, torch.empty(1, 1), "block", torch.empty(1, 1))
-    assert quantize_in_producers(model) == expected * 2
+    assert quantize_in_producers(model, 0) == expected * 2
     switched = [m for m in model.modules() if getattr(m, "fp8_output", False)]
     for module in switched:
         module.fp8_output = False
-    monkeypatch.setattr(fp8, "BF16_BELOW_ROWS", 64)  # small batches multiply bf16 copies: unquantized input
-    assert quantize_in_producers(model) == 0
-    monkeypatch.setattr(fp8, "BF16_BELOW_ROWS", 0)
-    assert quantize_in_producers(model) == expected * 2
+    assert quantize_in_producers(model, 64) == 0  # small batches multiply bf16 copies: unquantized input
+    assert not any(getattr(m, "fp8_output", False) for m in model.modules())
+    assert quantize_in_producers(model, 0) == expected * 2
     layer = model.model.layers[0]
     assert layer.input_layernorm.fp8_output and not model.model.norm.fp8_output
     assert layer.post_attention_layernorm.fp8_output == (expected == 3)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from nanovllm.attention.kv_quant import round_to_e4m3
 
@@ -136,3 +137,31 @@ def silu_and_mul_quantized(x: torch.Tensor) -> Fp8Input:
             x, x.stride(0), result.values, result.scales, result.scales.stride(1), rows, WIDTH=width, GROUPS=groups,
         )
     return result
+
+
+def _block_scaled(layer: nn.Module | None) -> bool:
+    fp8 = getattr(layer, "fp8", None)
+    return fp8 is not None and fp8.mode == "block" and fp8.kernel_scale is not None
+
+
+def quantize_in_producers(model: nn.Module, bf16_below_rows: int) -> int:
+    """Have the op before each block-scaled FP8 linear layer write that layer's quantized input itself
+    (the kernels above): a decoder layer's input norm (for qkv_proj), its post-attention norm (for a dense MLP's
+    gate_up_proj) and the MLP's SiLU-and-mul (for down_proj): in these decoders each of those ops feeds only that
+    layer, which a MoE layer's post-attention norm (router and experts) does not.
+    Returns how many ops were switched: none where batches below `bf16_below_rows` (fp8_linear.BF16_BELOW_ROWS)
+    multiply a bf16 copy of the weight, which needs the unquantized input."""
+    switched = 0
+    if bf16_below_rows > 0:
+        return switched
+    for layer in model.modules():
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attention is None or not hasattr(layer, "input_layernorm"):
+            continue
+        for producer, consumer in ((layer.input_layernorm, getattr(attention, "qkv_proj", None)),
+                                   (layer.post_attention_layernorm, getattr(mlp, "gate_up_proj", None)),
+                                   (getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None))):
+            if producer is not None and hasattr(producer, "fp8_output") and _block_scaled(consumer):
+                producer.fp8_output = True
+                switched += 1
+    return switched

@@ -18,6 +18,7 @@ from torch import nn
 
 from nanovllm.layers import fp8_linear
 from nanovllm.layers.fp8_experts import finish_experts, prepare_experts, stacked_experts
+from nanovllm.layers.fp8_fused import quantize_in_producers
 from nanovllm.layers.fp8_linear import FP8_DTYPE, Fp8Weight
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
@@ -194,7 +195,7 @@ def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> F
         held = [layer.weight] + ([layer.fp8.scale] if layer.fp8 is not None else [])
         held += [layer.fp8.dense] if layer.fp8 is not None and layer.fp8.dense is not None else []
         summary.fp8_bytes += sum(t.numel() * t.element_size() for t in held)
-    summary.fused = quantize_in_producers(model)
+    summary.fused = quantize_in_producers(model, fp8_linear.BF16_BELOW_ROWS)
     for experts in stacked_experts(model).values():
         if hasattr(experts, "gate_up_proj_scale_inv"):  # loaded from an FP8 checkpoint; run as bf16 for now
             held = finish_experts(experts, settings.block, dtype)
@@ -202,33 +203,6 @@ def finish_fp8(model: nn.Module, settings: Fp8Settings, dtype: torch.dtype) -> F
             summary.modes["experts dequantized"] = summary.modes.get("experts dequantized", 0) + 1
             summary.dense_bytes, summary.fp8_bytes = summary.dense_bytes + held, summary.fp8_bytes + held
     return summary
-
-
-def _block_scaled(layer: nn.Module | None) -> bool:
-    fp8 = getattr(layer, "fp8", None)
-    return fp8 is not None and fp8.mode == "block" and fp8.kernel_scale is not None
-
-
-def quantize_in_producers(model: nn.Module) -> int:
-    """Have the op before each block-scaled FP8 linear layer write that layer's quantized input itself
-    (layers/fp8_fused.py): a decoder layer's input norm (for qkv_proj), its post-attention norm (for a dense MLP's
-    gate_up_proj) and the MLP's SiLU-and-mul (for down_proj): in these decoders each of those ops feeds only that
-    layer, which a MoE layer's post-attention norm (router and experts) does not.
-    Returns how many ops were switched."""
-    switched = 0
-    if fp8_linear.BF16_BELOW_ROWS > 0:  # small batches multiply a bf16 copy: they need the unquantized input
-        return switched
-    for layer in model.modules():
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attention is None or not hasattr(layer, "input_layernorm"):
-            continue
-        for producer, consumer in ((layer.input_layernorm, getattr(attention, "qkv_proj", None)),
-                                   (layer.post_attention_layernorm, getattr(mlp, "gate_up_proj", None)),
-                                   (getattr(mlp, "act_fn", None), getattr(mlp, "down_proj", None))):
-            if producer is not None and hasattr(producer, "fp8_output") and _block_scaled(consumer):
-                producer.fp8_output = True
-                switched += 1
-    return switched
 
 
 def _blocks_fit(layer: Linear) -> bool:
