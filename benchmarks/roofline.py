@@ -98,6 +98,8 @@ def main() -> None:
                              "routers and MoE experts stay bf16, as this engine runs them)")
     parser.add_argument("--fp8-kv", action="store_true", help="a 1-byte KV cache")
     args = parser.parse_args()
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: a model needs at least 1 layer")
     model, max_token_id = model_bytes(args.shape, args.layers, args.fp8_weights, args.fp8_kv)
     parts = floor_seconds(model, WORKLOADS[args.workload], args.bandwidth * 1e12, args.tflops * 1e12, max_token_id)
     tokens = parts.pop("tokens")
