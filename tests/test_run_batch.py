@@ -265,7 +265,7 @@ def test_every_flag_has_a_help_text_that_says_its_default():
     [run] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0].choices.values()
     flags = {a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]: a.help
              for a in run._actions if a.option_strings and a.dest != "help"}
-    assert len(flags) == 18  # -i, -o, --model, the 13 engine flags, and the data-parallel size and backend
+    assert len(flags) == 20  # -i, -o, --model, the 15 engine flags, and the data-parallel size and backend
     assert all(text and len(text) > 20 for text in flags.values()), [f for f, text in flags.items() if not text]
     optional = [flag for flag in flags if flag not in ("--input-file", "--output-file", "--model")]
     assert all("default" in flags[flag] for flag in optional), [f for f in optional if "default" not in flags[f]]

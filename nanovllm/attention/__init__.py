@@ -7,8 +7,7 @@
 """
 from nanovllm.attention.backend import AttentionBackend, LayerKV
 from nanovllm.attention.kv_cache import KVCacheLayout
-
-BACKEND_NAMES = ("triton", "flash_attn", "torch")
+from nanovllm.config import ATTENTION_BACKENDS as BACKEND_NAMES
 
 __all__ = ["AttentionBackend", "BACKEND_NAMES", "KVCacheLayout", "LayerKV", "make_attention_backend"]
 

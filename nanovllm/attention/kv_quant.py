@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+from nanovllm.config import KV_CACHE_DTYPES
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 

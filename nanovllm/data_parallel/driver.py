@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from nanovllm.config import Config
+from nanovllm.config import DATA_PARALLEL_BACKENDS, Config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.prompts import Prompt
 from nanovllm.llm import LLM
@@ -26,7 +26,7 @@ from nanovllm.utils.tokenizer import load_tokenizer
 
 from .replica import DRAIN, Work
 
-BACKENDS = ("mp", "ray")
+BACKENDS = DATA_PARALLEL_BACKENDS
 POLL_S = 0.2  # the longest the driver waits for answers before it looks at liveness and its queue again
 
 

@@ -71,9 +71,9 @@ class LLMEngine:
         self._exited = False
         atexit.register(self.exit)
         if config.seed is not None:
-            # the stream requests without their own seed draw from (the sampler's torch generators), seeded once
-            # the model is loaded and warmed up, so the same script gives the same tokens; n samples still differ
-            torch.manual_seed(config.seed)
+            # the stream requests without their own seed draw from, restarted once the model is warmed up, so the
+            # same script gives the same tokens; n samples still differ
+            self.model_runner.sampler.reseed(config.seed)
 
     def exit(self) -> None:
         """Stop the workers, free the model and KV cache, and remove every shared-memory file. Idempotent."""
@@ -165,7 +165,7 @@ class LLMEngine:
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
         numbered = enumerate(zip(parsed, params))
-        requests = [(i, text, self.requests.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
+        requests = [(i, text, self.requests.make_samples(prompt, p, i)) for i, ((text, prompt), p) in numbered]
         outputs = dict(self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm))
         return [outputs[i] for i in range(len(requests))]
 
@@ -213,7 +213,7 @@ class LLMEngine:
                 text, prompt = parse_prompt(index, prompt)
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{index}] is a {type(p).__name__}, not a SamplingParams")
-                yield index, text, self.requests.make_samples(prompt, p)
+                yield index, text, self.requests.make_samples(prompt, p, index)
             except (ValueError, TypeError) as error:
                 if not yield_errors:
                     raise

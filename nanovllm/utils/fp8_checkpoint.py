@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.config import QUANTIZATION_METHODS
 from nanovllm.layers.fp8_linear import BLOCK, quantize_per_group
 
-SUPPORTED_QUANTIZATION = ("fp8",)
+SUPPORTED_QUANTIZATION = QUANTIZATION_METHODS
 SCALE_SUFFIX = "weight_scale_inv"
-FP8_SUFFIX = "-FP8"  # random_checkpoint shape names: "Qwen3-8B-FP8" is Qwen3-8B in the published FP8 layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,11 +57,6 @@ def quantization_settings(option: str | None, hf_config) -> Fp8Settings | None:
                          f"two positive integers such as [128, 128] (per-tensor FP8 checkpoints are not read)")
     not_converted = tuple(stored.get("modules_to_not_convert") or ("lm_head",))
     return Fp8Settings(checkpoint=True, block=(block[0], block[1]), not_converted=not_converted)
-
-
-def split_fp8_shape(shape: str) -> tuple[str, bool]:
-    """'Qwen3-8B-FP8' -> ('Qwen3-8B', True); other names are returned as they are, with False."""
-    return (shape.removesuffix(FP8_SUFFIX), True) if shape.endswith(FP8_SUFFIX) else (shape, False)
 
 
 def fp8_quantization_config(block: int = BLOCK) -> dict:
