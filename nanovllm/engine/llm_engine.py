@@ -17,6 +17,7 @@ from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, pars
 from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.engine.spawn_guard import check_main_guard
 from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
 from nanovllm.outputs import RequestOutput
@@ -41,6 +42,7 @@ class LLMEngine:
             if torch.cuda.is_available() and torch.cuda.device_count() < config.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
                                  f"{torch.cuda.device_count()} visible CUDA devices")
+            check_main_guard()
             self.workers = Workers(config)
         try:
             if self.workers is None:

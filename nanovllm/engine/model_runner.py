@@ -20,7 +20,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.device import available_cpu_memory
+from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -45,6 +45,9 @@ class ModelRunner:
         self.backend = make_attention_backend(config.attention_backend, self.use_cuda)
         if self.use_cuda:
             torch.cuda.set_device(self.device)
+        else:
+            threads = cap_cpu_threads(config.tensor_parallel_size)
+            logger.info("CPU: %d torch thread(s) (the free cores; OMP_NUM_THREADS sets another number)", threads)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
         self.dtype = config.dtype  # the engine option, resolved by Config ("auto": the checkpoint's)
         default_dtype = torch.get_default_dtype()

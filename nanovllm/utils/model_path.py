@@ -15,6 +15,16 @@ def looks_like_hub_id(model: str) -> bool:
             and not model.startswith((".", "/", "~")) and not model.endswith("/"))
 
 
+def hub_cache_dir() -> str:
+    """The Hugging Face hub cache as the environment names it now (huggingface_hub reads it once, at import)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
 def resolve_model(model: str) -> str:
     """The local folder holding `model`'s checkpoint; a ValueError naming `model` when there is none."""
     if not isinstance(model, (str, os.PathLike)):
@@ -34,7 +44,8 @@ def resolve_model(model: str) -> str:
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
     try:
         # offline, or online with the hub unreachable, huggingface_hub answers from its cache
-        return snapshot_download(model, allow_patterns=CHECKPOINT_FILES, local_files_only=offline)
+        return snapshot_download(model, allow_patterns=CHECKPOINT_FILES, local_files_only=offline,
+                                 cache_dir=hub_cache_dir())
     except HFValidationError as error:
         raise ValueError(f"model {model!r} is neither a local folder nor a valid hub id: {error}") from None
     except Exception as error:  # not cached and no download: missing, private, gated or no network
