@@ -43,7 +43,7 @@ def parse_prompt(index: int, prompt) -> tuple[str | None, str | list[int]]:
         return prompt, prompt
     if isinstance(prompt, dict):
         unknown = sorted(set(prompt) - PROMPT_KEYS, key=str)
-        if unknown:  # multi_modal_data and the like would change the answer: never drop them silently
+        if unknown and PROMPT_KEYS & set(prompt):  # multi_modal_data and the like change the answer: never drop them
             raise ValueError(f"prompt {index} has keys {unknown} this engine does not support (text-only models); "
                              f"a prompt dict takes {sorted(PROMPT_KEYS)}")
         if "prompt_token_ids" in prompt:
