@@ -13,6 +13,8 @@ from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, request, write_
 from nanovllm import LLM, SamplingParams, run_batch
 from nanovllm.data_parallel import DataParallel, iter_generate
 
+pytestmark = pytest.mark.slow  # processes and actors: seconds each
+
 OPTIONS = {"num_kvcache_blocks": 32, "max_model_len": 512, "max_num_seqs": 2}  # credit: 6 requests per replica
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 

@@ -49,6 +49,7 @@ def record_prefix_reads(backend) -> list[bool]:
     return over_cache
 
 
+@pytest.mark.slow
 def test_fp8_greedy_close_to_float32_through_preemption_chunks_and_prefix_hits(tiny_model, hf_model):
     prefix = random_prompts([100], seed=2)[0]
     mixed = random_prompts(torch.randint(5, 300, (16,), generator=torch.Generator().manual_seed(0)).tolist(), 1)
@@ -133,6 +134,7 @@ def test_checkpoint_with_kv_scales_for_some_layers_is_refused(tiny_model, tmp_pa
         LLM(path, kv_cache_dtype="fp8")
 
 
+@pytest.mark.slow
 def test_fp8_with_tensor_parallel_2(tiny_model, hf_model):
     # each rank measures and quantises its own KV heads
     prompts = random_prompts([300, 40, 120, 9], seed=9)

@@ -159,6 +159,7 @@ def _reference_decode(q, cache, block_tables, context_lens):
         reset_context()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_heads,num_kv_heads,page", [(4, 2, 16), (8, 8, 32)])
 def test_decode_kernel_folds_the_layer_scales(num_heads, num_kv_heads, page):
     # a bf16 query, as the engine's: exact in float16, where the kernel takes the dot products; what remains is

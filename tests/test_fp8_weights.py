@@ -99,6 +99,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_model, t
     check(hf, prompts, outputs)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_shards_scales_with_weights(fp8_tp_model, tmp_path):
     hf = hf_dequantized(fp8_tp_model, tmp_path)
     prompts = random_prompts([5, 120, 260], seed=6)

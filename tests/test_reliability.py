@@ -60,6 +60,7 @@ def traced(llm, tracer, prompts, params):
         sys.settrace(None)
 
 
+@pytest.mark.slow
 def test_an_interrupt_at_any_line_of_the_host_loop_leaks_nothing(llm):
     prompts, params = workload()
     expected = llm.generate(prompts, params, use_tqdm=False)

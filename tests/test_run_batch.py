@@ -56,6 +56,7 @@ def choices(record: dict) -> list:
     return [body["object"], body["choices"], body["usage"]]
 
 
+@pytest.mark.slow
 def test_cli_greedy_results_equal_transformers(tiny_model, hf_model, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     greedy = {"temperature": 0, "ignore_eos": True, "max_tokens": 8, "skip_special_tokens": False}
@@ -273,6 +274,7 @@ def test_every_flag_has_a_help_text_that_says_its_default():
     assert "(default: 512)" in flags["--max-num-seqs"] and "(default: 4096," in flags["--max-model-len"]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_answers_each_request_once(tiny_model, tmp_path):
     # r0 is long, so the run is still busy with it when the short ones have been written and the kill comes
     lines = [request(f"r{i}", {"prompt": [7 + i, 100 + 3 * i, 40], "max_tokens": 320 if i == 0 else 24 + i % 9,

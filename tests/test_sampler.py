@@ -215,6 +215,7 @@ def test_gumbel_kernel_greedy_rows_take_the_first_maximum_across_chunks():
     assert 0 <= out[3].item() < vocab
 
 
+@pytest.mark.slow
 def test_gumbel_kernel_follows_the_distribution():
     probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     draws = 400  # the interpreter runs one program at a time: a small sample, so a loose bound
@@ -225,6 +226,7 @@ def test_gumbel_kernel_follows_the_distribution():
     assert chi2 < 25.0, counts  # 5 degrees of freedom: p < 1e-4 by chance
 
 
+@pytest.mark.slow
 def test_gumbel_kernel_floors_bound_the_draw():
     vocab, rows = 2500, 6
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9))

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 COMPILE_ALL = r'''
 import sys
 import triton
@@ -99,6 +101,7 @@ sys.exit(1 if failed else 0)
 '''
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
