@@ -69,8 +69,9 @@ def hf_dequantized(fp8_path: str, tmp_path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def check(hf_model, prompts, outputs) -> None:
-    near_ties = sum(assert_teacher_forced_greedy(hf_model, p, o["token_ids"]) for p, o in zip(prompts, outputs))
+def check(hf_model, prompts, outputs, margin: float = 1e-3) -> None:
+    near_ties = sum(assert_teacher_forced_greedy(hf_model, p, o["token_ids"], margin)
+                    for p, o in zip(prompts, outputs))
     assert near_ties <= 1, f"{near_ties} near-ties: the random weights are not peaked enough for a stable test"
 
 
@@ -209,7 +210,12 @@ def test_quantization_fp8_matches_a_plain_emulation(tiny_model, hf_model):
         layer = llm.model_runner.model.model.layers[0]
         assert layer.self_attn.qkv_proj.weight.dtype == FP8 and layer.mlp.down_proj.fp8.mode == "channel"
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    check(hf, prompts, outputs)
+    # The emulation's logits are not continuous in float32 noise: an activation that a different summation order
+    # (another attention kernel, or the CPU's GEMM kernel choice) moves across an e4m3 rounding boundary changes
+    # by one FP8 step, so this reference is only defined to about a tenth of a logit where that happens, whatever
+    # computes it. A margin of float noise (1e-3) would test which kernels ran; an unquantized model misses the
+    # emulation's argmax by whole logits, so this margin still tells FP8 arithmetic from none.
+    check(hf, prompts, outputs, margin=0.1)
     gaps = {"emulated": [], "plain": []}
     for prompt, output in zip(prompts, outputs):
         ids = torch.tensor([prompt + output["token_ids"][:-1]])
