@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from nanovllm.utils.fp8_checkpoint import Fp8Settings
+    from nanovllm.quantization.fp8_checkpoint import Fp8Settings
 
 # the values the string options take (vLLM's names)
 ATTENTION_BACKENDS = ("triton", "flash_attn", "torch")
@@ -41,7 +41,7 @@ class Config:
     attention_backend: str | None = None  # None: the fastest for the device; see nanovllm.attention
     async_scheduling: bool = True  # launch step n+1 before reading step n's tokens back
     max_logprobs: int = 20  # the most logprobs a request may ask for, as vLLM's
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see attention/kv_quant.py
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see quantization/kv_quant.py
     quantization: str | None = None  # "fp8": FP8 linear weights from a bf16 checkpoint; see docs/fp8_weights.md
     # vLLM's: "auto" (the checkpoint's), "bfloat16", "float16", "float32" or a torch dtype; a torch dtype once built
     dtype: str | torch.dtype = "auto"
@@ -57,8 +57,8 @@ class Config:
         from transformers import AutoConfig
 
         from nanovllm.models import model_class
+        from nanovllm.quantization.fp8_checkpoint import quantization_settings
         from nanovllm.utils.device import check_dtype, model_dtype
-        from nanovllm.utils.fp8_checkpoint import quantization_settings
         from nanovllm.utils.model_path import resolve_model
 
         if self.max_model_len is not None:

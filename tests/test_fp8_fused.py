@@ -1,15 +1,15 @@
 """The norm and activation kernels that write a block-scaled FP8 linear layer's quantized input
-(nanovllm/layers/fp8_fused.py), on CPU in Triton's interpreter and compiled on the GPU: against the unfused pair
+(nanovllm/quantization/fp8_fused.py), on CPU in Triton's interpreter and compiled on the GPU: against the unfused pair
 (the op, then quantize_per_group), the padding rows and scale layout the matmul reads, and which ops the engine
 switches."""
 import pytest
 import torch
 from transformers import AutoConfig
 
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_fused import Fp8Input, quantize_in_producers, rms_norm_quantized, silu_and_mul_quantized
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.models import model_class
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_fused import Fp8Input, quantize_in_producers, rms_norm_quantized, silu_and_mul_quantized
 from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import model_config
 

@@ -1,12 +1,12 @@
-"""The FP8 arithmetic of nanovllm/layers/fp8_linear.py on CPU, and the argument layouts of its GPU calls: the
+"""The FP8 arithmetic of nanovllm/quantization/fp8_linear.py on CPU, and the argument layouts of its GPU calls: the
 row-wise torch._scaled_mm runs on CPU too; the block-wise call is checked on meta tensors, against torch's own
 shape and stride checks for that kernel."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_checkpoint import quantize_blockwise
 
 
 def test_blockwise_quantization_round_trips_with_partial_edge_blocks():
@@ -71,7 +71,7 @@ def test_group_quantization_scales_each_128_columns():
 @pytest.mark.parametrize("rows,cols,group,multiple", [(5, 512, 128, 4), (4, 384, 128, 4), (3, 300, None, 1),
                                                       (6, 2048, None, 4), (1, 128, 128, 4)])
 def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, group, multiple):
-    from nanovllm.layers.fp8_activation import quantize_activations
+    from nanovllm.quantization.fp8_activation import quantize_activations
 
     g = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, cols)).to(torch.bfloat16)
@@ -89,8 +89,8 @@ def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, gro
 
 
 def test_quantization_at_load_uses_blocks_only_where_they_tile_each_part():
-    from nanovllm.layers.fp8_model import _blocks_fit, _quantize_blockwise_in_slabs
     from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+    from nanovllm.quantization.fp8_model import _blocks_fit, _quantize_blockwise_in_slabs
     from nanovllm.utils.parallel import TensorParallelGroup
 
     one = TensorParallelGroup(rank=0, size=1)

@@ -14,11 +14,11 @@ from test_e2e_transformers import random_prompts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.linear import RowParallelLinear
 from nanovllm.models import model_class
 from nanovllm.models.decoder import Qwen3ForCausalLM
-from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
+from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantization_settings
+from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
@@ -228,7 +228,7 @@ def test_quantization_fp8_matches_a_plain_emulation(tiny_model, hf_model):
 
 def test_fp8_linear_is_the_emulation(tiny_model):
     """One layer, no upstream noise: the engine's FP8 matmul is the plain emulation to float32 rounding."""
-    from nanovllm.layers.fp8_linear import Fp8Weight, fp8_linear, quantize_per_channel
+    from nanovllm.quantization.fp8_linear import Fp8Weight, fp8_linear, quantize_per_channel
 
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(96, 256, generator=g), torch.randn(7, 256, generator=g) * 3

@@ -13,8 +13,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
-from nanovllm.layers.fp8_activation import _quantize_activations_kernel
-from nanovllm.layers.fp8_fused import _rms_norm_quantize_kernel, _silu_and_mul_quantize_kernel
+from nanovllm.quantization.fp8_activation import _quantize_activations_kernel
+from nanovllm.quantization.fp8_fused import _rms_norm_quantize_kernel, _silu_and_mul_quantize_kernel
 from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
                                                    _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul

@@ -6,8 +6,6 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.attention import KVCacheLayout, make_attention_backend
-from nanovllm.attention.kv_quant import kv_cache_dtype
-from nanovllm.attention.kv_scales import checkpoint_kv_scales, measured_kv_scales
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
@@ -15,10 +13,12 @@ from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
+from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
+from nanovllm.quantization.kv_quant import kv_cache_dtype
+from nanovllm.quantization.kv_scales import checkpoint_kv_scales, measured_kv_scales
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fp8_linear import Fp8Weight, fp8_linear
+from nanovllm.quantization.fp8_linear import Fp8Weight, fp8_linear
 from nanovllm.utils.loader import check_shape, default_weight_loader
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -21,7 +21,7 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; each rank keeps its slice of y."""
 
-    fp8: Fp8Weight | None = None  # set by layers/fp8_model.py when the weight is FP8
+    fp8: Fp8Weight | None = None  # set by quantization/fp8_model.py when the weight is FP8
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()
@@ -81,7 +81,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    fp8: Fp8Weight | None = None  # set by layers/fp8_model.py when the weight is FP8
+    fp8: Fp8Weight | None = None  # set by quantization/fp8_model.py when the weight is FP8
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()

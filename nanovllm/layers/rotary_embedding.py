@@ -6,8 +6,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.attention.kv_quant import FP8, to_fp8
 from nanovllm.layers import fused
+from nanovllm.quantization.kv_quant import FP8, to_fp8
 
 
 @fused
@@ -146,7 +146,7 @@ class KVDestination:
     k_cache: torch.Tensor  # [blocks, page, kv_heads, head_dim], contiguous
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    k_scale: float = 1.0  # an FP8 cache's per-layer scales (attention/kv_quant.py)
+    k_scale: float = 1.0  # an FP8 cache's per-layer scales (quantization/kv_quant.py)
     v_scale: float = 1.0
 
 

@@ -7,7 +7,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nanovllm.attention.kv_scales import kv_scale_name
+from nanovllm.quantization.kv_scales import kv_scale_name
 
 INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None  # which part of a packed parameter a checkpoint tensor fills; None: the whole of it
@@ -115,7 +115,7 @@ def _some(names: list[str], limit: int = 10) -> str:
 
 def load_model(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
     """Fill every parameter of the model from the checkpoint at `path`, each part of a packed one exactly once;
-    return the checkpoint's KV-cache scales by name (attention/kv_scales.py), which no parameter takes.
+    return the checkpoint's KV-cache scales by name (quantization/kv_scales.py), which no parameter takes.
 
     The loader only maps names; each parameter's weight_loader knows which slice its rank keeps and checks the full
     tensor's shape. Names are checked against the files' headers before any tensor is read, so a missing, extra or

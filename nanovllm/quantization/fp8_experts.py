@@ -9,7 +9,7 @@ memory (a block-scaled grouped matmul is the next step).
 import torch
 from torch import nn
 
-from nanovllm.layers.fp8_linear import FP8_DTYPE, dequantize_blocks
+from nanovllm.quantization.fp8_linear import FP8_DTYPE, dequantize_blocks
 from nanovllm.utils.loader import check_shape
 
 

@@ -1,6 +1,6 @@
 """FP8 KV cache: keys and values stored as float8 e4m3 with one scale for a layer's keys and one for its values
 (per tensor, as vLLM, TensorRT-LLM and FlashInfer keep them): x ~= fp8 * scale. A scale is a plain number fixed
-before the cache is first written (attention/kv_scales.py says where it comes from), so readers fold it into the
+before the cache is first written (quantization/kv_scales.py says where it comes from), so readers fold it into the
 softmax scale and the output and multiply nothing per element.
 
 The torch functions here are the reference the Triton writers are tested against, and the CPU backend's own path.

@@ -16,17 +16,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers import fp8_linear
-from nanovllm.layers.fp8_experts import finish_experts, prepare_experts, stacked_experts
-from nanovllm.layers.fp8_fused import quantize_in_producers
-from nanovllm.layers.fp8_linear import FP8_DTYPE, Fp8Weight
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantize_blockwise
+from nanovllm.quantization import fp8_linear
+from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantize_blockwise
+from nanovllm.quantization.fp8_experts import finish_experts, prepare_experts, stacked_experts
+from nanovllm.quantization.fp8_fused import quantize_in_producers
+from nanovllm.quantization.fp8_linear import FP8_DTYPE, Fp8Weight
 from nanovllm.utils.loader import ShardId, check_shape
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Two weight layouts exist (docs/fp8_weights.md):
 Activation scales are dynamic (amax / 448 of what is multiplied), as the checkpoints' activation_scheme says.
 
 On CPU, and wherever the GPU lacks FP8 matmuls, "channel" weights run a plain emulation (quantize, dequantize,
-multiply in float32) and "block" weights are dequantized at load instead (nanovllm/layers/fp8_model.py).
+multiply in float32) and "block" weights are dequantized at load instead (nanovllm/quantization/fp8_model.py).
 """
 import os
 from dataclasses import dataclass
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.fp8_activation import quantize_activations
-from nanovllm.layers.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_activation import quantize_activations
+from nanovllm.quantization.fp8_fused import Fp8Input
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448

@@ -9,7 +9,7 @@ rounded to the model dtype first, then quantize_per_group's scale (amax times th
 for an all-zero group) and division. The attention output before o_proj is still quantized by its own kernel.
 
 `Fp8Input` carries the result to the linear layer, which then skips its own quantization (fp8_linear.py).
-layers/fp8_model.py turns this on per op, only where the consumer is a block-scaled FP8 layer.
+quantization/fp8_model.py turns this on per op, only where the consumer is a block-scaled FP8 layer.
 """
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.attention.kv_quant import round_to_e4m3
+from nanovllm.quantization.kv_quant import round_to_e4m3
 
 GROUP = 128  # activation columns per scale: the block-scaled matmul's
 ROW_MULTIPLE = 4  # cuBLAS's block-scaled kernel wants the scales' row count a multiple of 4

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.config import QUANTIZATION_METHODS
-from nanovllm.layers.fp8_linear import BLOCK, quantize_per_group
+from nanovllm.quantization.fp8_linear import BLOCK, quantize_per_group
 
 SUPPORTED_QUANTIZATION = QUANTIZATION_METHODS
 SCALE_SUFFIX = "weight_scale_inv"
