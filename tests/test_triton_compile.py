@@ -18,8 +18,8 @@ from nanovllm.quantization.fp8_fused import _rms_norm_quantize_kernel, _silu_and
 from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
                                                    _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul
-from nanovllm.layers.gumbel_max import _gumbel_max
-from nanovllm.layers.sampling_floors import _chunk_maxima, _floors, _recount
+from nanovllm.sampling.gumbel_max import _gumbel_max
+from nanovllm.sampling.floors import _chunk_maxima, _floors, _recount
 from nanovllm.attention.paged_decode import _decode_attention
 from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
 

@@ -13,12 +13,12 @@ from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
 from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.quantization.kv_quant import kv_cache_dtype
 from nanovllm.quantization.kv_scales import checkpoint_kv_scales, measured_kv_scales
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model
