@@ -21,7 +21,7 @@ from nanovllm.layers.fused_moe import _grouped_matmul
 from nanovllm.sampling.gumbel_max import _gumbel_max
 from nanovllm.sampling.floors import _chunk_maxima, _floors, _recount
 from nanovllm.attention.paged_decode import _decode_attention
-from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
+from nanovllm.attention.qk_norm_rope import _qk_norm_rope_kernel
 
 # argument types by name (other names are i32); constexprs as the engine passes them for Qwen3-0.6B
 POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i32", "block_tables_ptr": "*i32",
