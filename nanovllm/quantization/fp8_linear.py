@@ -18,15 +18,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanovllm.quantization.e4m3 import FP8, FP8_MAX, FP8_MAX_RECIPROCAL
 from nanovllm.quantization.fp8_activation import quantize_activations
 from nanovllm.quantization.fp8_fused import Fp8Input
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# A scale is amax times this float32 reciprocal, not amax / 448: torch on CUDA turns a division by a Python number
-# into that multiplication while the CPU divides, so written out, CPU, CUDA and the Triton kernel
-# (fp8_activation.py) all compute the same scales, and the same e4m3 codes.
-FP8_MAX_RECIPROCAL = 1.0 / FP8_MAX
 BLOCK = 128  # the published checkpoints' weight_block_size, and the activation group of the block-wise matmul
 # Rows (tokens) below which a layer multiplies a bf16 copy of its weight instead: 0 keeps FP8 for every batch.
 # A copy costs the memory FP8 saves, so raise this only where the device measurement
@@ -75,7 +70,7 @@ def fp8_supported(device: torch.device) -> tuple[bool, bool]:
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # the clamp keeps values that round past 448 finite: e4m3fn has no infinity, a cast would give NaN
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

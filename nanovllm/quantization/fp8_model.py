@@ -23,10 +23,11 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
 )
 from nanovllm.quantization import fp8_linear
+from nanovllm.quantization.e4m3 import FP8
 from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantize_blockwise
 from nanovllm.quantization.fp8_experts import finish_experts, prepare_experts, stacked_experts
 from nanovllm.quantization.fp8_fused import quantize_in_producers
-from nanovllm.quantization.fp8_linear import FP8_DTYPE, Fp8Weight
+from nanovllm.quantization.fp8_linear import Fp8Weight
 from nanovllm.utils.loader import ShardId, check_shape
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
     for name, layer in layers.items():
         shape, device, parts = plans[name]
         scale_rows = sum(-(-p.rows // block_rows) for p in parts) if parts else -(-shape[0] // block_rows)
-        layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), requires_grad=False)
         layer.weight.weight_loader = _fp8_weight_loader(layer.weight_loader)
         layer.weight_scale_inv = nn.Parameter(torch.empty(scale_rows, -(-shape[1] // block_cols),
                                                           dtype=torch.float32, device=device),
@@ -131,7 +132,7 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
 def _fp8_weight_loader(loader):
     def load(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
         # copy_ would convert a bf16 tensor silently, and the scales would then scale it a second time
-        if loaded.dtype != FP8_DTYPE:
+        if loaded.dtype != FP8:
             raise ValueError(f"expected a float8_e4m3fn weight (config.json's quantization_config is fp8), "
                              f"found {loaded.dtype}")
         loader(param, loaded, *shard_id)
