@@ -17,7 +17,7 @@ from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
 from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.quantization.kv_quant import kv_cache_dtype
-from nanovllm.quantization.kv_scales import checkpoint_kv_scales, measured_kv_scales
+from nanovllm.quantization.kv_scales import checkpoint_kv_scales, is_kv_scale, measured_kv_scales
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
@@ -62,7 +62,7 @@ class ModelRunner:
             # compiled under another one than generate() runs with would all be recompiled in the first run
             torch.set_default_device("cpu")
             torch.set_default_dtype(default_dtype)
-        checkpoint_scales = load_model(self.model, config.model)
+        checkpoint_scales = load_model(self.model, config.model, is_kv_scale)
         self.fp8_summary = None
         if config.fp8 is not None:
             # the KV cache is sized from the memory left after this, so it gets whatever FP8 saves
