@@ -16,12 +16,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
 from nanovllm.quantization import fp8_linear
 from nanovllm.quantization.e4m3 import FP8
 from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantize_blockwise
@@ -31,7 +25,13 @@ from nanovllm.quantization.fp8_linear import Fp8Weight
 from nanovllm.utils.loader import ShardId, check_shape
 
 logger = logging.getLogger(__name__)
-Linear = ColumnParallelLinear | RowParallelLinear
+# layers/linear.py's column-parallel (tp_dim 0: output rows split, packed parts in output_parts()) and row-parallel
+# (tp_dim 1) layers, known by what they have rather than imported: layers/ sits above quantization/
+Linear = nn.Module
+
+
+def _parallel_linear(module: nn.Module) -> bool:
+    return hasattr(module, "fp8") and getattr(module, "tp_dim", None) in (0, 1)
 
 
 @dataclass(slots=True)
@@ -45,19 +45,9 @@ class _Part:
     block_offset: int  # in the packed scale
 
 
-def _column_parts(layer: ColumnParallelLinear) -> dict[ShardId, int]:
-    """Checkpoint rows of each part of a column-parallel layer, in packing order."""
-    if isinstance(layer, QKVParallelLinear):
-        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        return {"q": q, "k": kv, "v": kv}
-    if isinstance(layer, MergedColumnParallelLinear):
-        return dict(enumerate(layer.output_sizes))
-    return {None: layer.weight.size(0) * layer.tp_size}
-
-
-def _layout(name: str, layer: ColumnParallelLinear, block_rows: int) -> list[_Part]:
+def _layout(name: str, layer: Linear, block_rows: int) -> list[_Part]:
     parts, row_offset, block_offset = [], 0, 0
-    for shard_id, full_rows in _column_parts(layer).items():
+    for shard_id, full_rows in layer.output_parts().items():
         rows = full_rows // layer.tp_size
         if layer.tp_size > 1 and rows % block_rows:
             part = "" if shard_id is None else f" part {shard_id!r}"
@@ -82,7 +72,7 @@ def fp8_layers(model: nn.Module, settings: Fp8Settings) -> dict[str, Linear]:
         packed.setdefault(packed_name, []).append(checkpoint_name)
     layers = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not _parallel_linear(module):
             continue
         prefix, _, last = name.rpartition(".")
         names = [f"{prefix}.{part}" if prefix else part for part in packed.get(last, [last])]
@@ -102,11 +92,11 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
     plans = {}  # name -> (weight shape, device, parts): checked before anything changes
     for name, layer in layers.items():
         shape, device = layer.weight.shape, layer.weight.device
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and shape[1] % block_cols:
+        if layer.tp_dim == 1 and layer.tp_size > 1 and shape[1] % block_cols:
             raise ValueError(f"FP8 layer {name}: {shape[1] * layer.tp_size} input columns split over "
                              f"{layer.tp_size} ranks gives shards of {shape[1]} columns, not a multiple of the "
                              f"{block_cols}-column scale block; use a tensor_parallel_size that splits it on blocks")
-        parts = _layout(name, layer, block_rows) if isinstance(layer, ColumnParallelLinear) else None
+        parts = _layout(name, layer, block_rows) if layer.tp_dim == 0 else None
         plans[name] = (shape, device, parts)
     # every model-dtype weight goes before any e4m3 one is made: made one by one, each would be carved out of
     # the memory its predecessor just left, and those half-used regions could then not go to the KV cache
@@ -210,7 +200,7 @@ def _blocks_fit(layer: Linear) -> bool:
     """Whether 128x128 blocks tile this rank's weight with no block across two packed parts (q/k/v, gate/up),
     as the published checkpoints' blocks do."""
     rows, cols = layer.weight.shape
-    parts = [p // layer.tp_size for p in _column_parts(layer).values()] if isinstance(layer, ColumnParallelLinear) \
+    parts = [p // layer.tp_size for p in layer.output_parts().values()] if layer.tp_dim == 0 \
         else [rows]
     return cols % fp8_linear.BLOCK == 0 and all(p % fp8_linear.BLOCK == 0 for p in parts)
 
