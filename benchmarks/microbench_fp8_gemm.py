@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from cuda_timing import graph_time_us
 
 from nanovllm.quantization import fp8_linear as fp8
-from nanovllm.quantization.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 from nanovllm.utils.random_checkpoint import SHAPES
 
 

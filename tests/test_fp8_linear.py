@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from nanovllm.quantization import fp8_linear as fp8
 from nanovllm.quantization.e4m3 import FP8, FP8_MAX
-from nanovllm.quantization.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 
 
 def test_blockwise_quantization_round_trips_with_partial_edge_blocks():

@@ -87,6 +87,20 @@ def quantize_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tenso
     return _to_fp8(grouped, scale).view(rows, cols), scale.squeeze(-1)
 
 
+def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] -> (e4m3 weight, float32 weight_scale_inv [ceil(out/block), ceil(in/block)])."""
+    rows, cols = weight.shape
+    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32,
+                         device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    row_blocks, col_blocks = padded.size(0) // block, padded.size(1) // block
+    # each block as one row of block*block values, so one per-row quantization gives one scale per block
+    tiles = padded.view(row_blocks, block, col_blocks, block).permute(0, 2, 1, 3).reshape(-1, block * block)
+    w8, scale = quantize_per_group(tiles, block * block)
+    w8 = w8.view(row_blocks, col_blocks, block, block).permute(0, 2, 1, 3).reshape(padded.shape)
+    return w8[:rows, :cols].contiguous(), scale.view(row_blocks, col_blocks).contiguous()
+
+
 
 def expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
     """Block scales [ceil(out/bo), ceil(in/bi)] -> one scale per element of an [out, in] weight (edge blocks cut)."""

@@ -18,10 +18,10 @@ from torch import nn
 
 from nanovllm.quantization import fp8_linear
 from nanovllm.quantization.e4m3 import FP8
-from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantize_blockwise
+from nanovllm.quantization.fp8_checkpoint import Fp8Settings
 from nanovllm.quantization.fp8_experts import finish_experts, prepare_experts, stacked_experts
 from nanovllm.quantization.fp8_fused import quantize_in_producers
-from nanovllm.quantization.fp8_linear import Fp8Weight
+from nanovllm.quantization.fp8_linear import Fp8Weight, quantize_blockwise
 from nanovllm.utils.loader import ShardId, check_shape
 
 logger = logging.getLogger(__name__)
