@@ -2,10 +2,8 @@ from enum import Enum, auto
 from itertools import count
 
 from nanovllm.outputs import Logprob
+from nanovllm.sampling.rows import PENDING as PENDING  # the engine imports it from here
 from nanovllm.sampling_params import SamplingParams
-
-# a sampled token whose value is still on the GPU: the next step is scheduled before it is read back
-PENDING = -1
 
 
 class SequenceStatus(Enum):

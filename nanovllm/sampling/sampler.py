@@ -5,12 +5,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import Logprob
 from nanovllm.sampling.bad_words import BadWordsMask, bad_words_mask
 from nanovllm.sampling.floors import logit_floors
 from nanovllm.sampling.gumbel_max import gumbel_max_sample
 from nanovllm.sampling.penalties import PenaltyHistories, PenaltyTensors, has_penalties
+from nanovllm.sampling.rows import SamplingRow
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -117,7 +117,7 @@ class Sampler(nn.Module):
         else:
             self.generator.manual_seed(seed)
 
-    def prepare(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
+    def prepare(self, seqs: list[SamplingRow], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
         """fed_token_ids: a decode step's input ids on the device (the tokens the penalties count last)."""
         params = [seq.params for seq in seqs]
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
