@@ -15,9 +15,14 @@ from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
-from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
-from nanovllm.quantization.kv_quant import kv_cache_dtype
-from nanovllm.quantization.kv_scales import checkpoint_kv_scales, is_kv_scale, measured_kv_scales
+from nanovllm.quantization import (
+    checkpoint_kv_scales,
+    finish_fp8,
+    is_kv_scale,
+    kv_cache_dtype,
+    measured_kv_scales,
+    prepare_fp8,
+)
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
