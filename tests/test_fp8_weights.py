@@ -94,7 +94,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_model, t
     hf = hf_dequantized(fp8_model, tmp_path)
     prompts = random_prompts([1, 9, 200, 300], seed=5)
     with LLM(fp8_model, num_kvcache_blocks=16) as llm:
-        assert llm.model_runner.config.fp8 == Fp8Settings(checkpoint=True)
+        assert llm.model_runner.fp8 == Fp8Settings(checkpoint=True)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     check(hf, prompts, outputs)
 

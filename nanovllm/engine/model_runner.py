@@ -22,6 +22,7 @@ from nanovllm.quantization import (
     kv_cache_dtype,
     measured_kv_scales,
     prepare_fp8,
+    quantization_settings,
 )
 from nanovllm.sampling.sampler import Sampler
 from nanovllm.utils.context import reset_context
@@ -55,13 +56,14 @@ class ModelRunner:
             logger.info("CPU: %d torch thread(s) (the free cores; OMP_NUM_THREADS sets another number)", threads)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
         self.dtype = config.dtype  # the engine option, resolved by Config ("auto": the checkpoint's)
+        self.fp8 = quantization_settings(config.quantization, hf_config)  # None: weights in the model dtype
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
         try:
             self.model = model_class(hf_config)(hf_config, self.tp, self.backend)
-            if config.fp8 is not None and config.fp8.checkpoint:
-                prepare_fp8(self.model, config.fp8)  # e4m3 weights and their scales, as the checkpoint has them
+            if self.fp8 is not None and self.fp8.checkpoint:
+                prepare_fp8(self.model, self.fp8)  # e4m3 weights and their scales, as the checkpoint has them
         finally:
             # restored before anything is compiled: torch.compile guards on the default dtype, so kernels
             # compiled under another one than generate() runs with would all be recompiled in the first run
@@ -69,9 +71,9 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         checkpoint_scales = load_model(self.model, config.model, is_kv_scale)
         self.fp8_summary = None
-        if config.fp8 is not None:
+        if self.fp8 is not None:
             # the KV cache is sized from the memory left after this, so it gets whatever FP8 saves
-            self.fp8_summary = finish_fp8(self.model, config.fp8, self.dtype)
+            self.fp8_summary = finish_fp8(self.model, self.fp8, self.dtype)
             if rank == 0:
                 logger.info("FP8 weights: %s", self.fp8_summary.describe())
         self.sampler = Sampler(config.eos_token_ids, self.device)
