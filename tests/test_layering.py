@@ -130,7 +130,9 @@ def room_cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
 
 
 def test_every_module_is_in_a_room():
-    for module in modules():
+    found = modules()
+    assert "nanovllm.engine.llm_engine" in found  # the source tree itself, not an installed copy or nothing
+    for module in found:
         room_of(module)
 
 
