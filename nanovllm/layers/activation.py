@@ -43,8 +43,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: silu(gate) * up, with gate and up packed side by side in the last dimension."""
 
-    # set by quantization/fp8_model.py where down_proj is a block-scaled FP8 linear layer: the output is then its
-    # quantized input (quantization/fp8_fused.py), on CUDA
+    # set by quantize_in_producers (quantization/fp8_fused.py) where down_proj is a block-scaled FP8 linear layer:
+    # the output is then its quantized input, on CUDA
     fp8_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    # set by quantization/fp8_model.py where the consumer is a block-scaled FP8 linear layer: the output is then its
-    # quantized input (quantization/fp8_fused.py), on CUDA
+    # set by quantize_in_producers (quantization/fp8_fused.py) where the consumer is a block-scaled FP8 linear
+    # layer: the output is then its quantized input, on CUDA
     fp8_output = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

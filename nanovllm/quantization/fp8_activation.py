@@ -1,7 +1,7 @@
 """An FP8 linear layer's input quantized in one kernel: e4m3 values and their float32 scales (amax / 448 of each
 row, or of each 128 columns of a row), written straight into the layout the scaled matmul reads, with the
-padding rows that cuBLAS's block-scaled kernel needs already zero. Without it each FP8 linear launched a
-compiled quantization, a pad copy and a scale-layout copy before its matmul (nanovllm/quantization/fp8_linear.py).
+padding rows that cuBLAS's block-scaled kernel needs already zero: one launch before each FP8 matmul
+(fp8_linear.py) where a compiled quantization would add a pad copy and a scale-layout copy.
 
 The arithmetic is quantize_per_row / quantize_per_group's (fp8_linear.py): the scale is amax times the float32
 reciprocal of 448, values are divided by it correctly rounded and clamped to +-448, an all-zero group is scaled

@@ -2,14 +2,15 @@
 
 A block-scaled matmul reads e4m3 activations with one float32 scale per row and 128 columns (fp8_linear.py). Made
 by a separate kernel (fp8_activation.py), that input costs a launch, a read of the bf16 activations and a write
-of the e4m3 ones per matmul: on a Qwen3-8B bench run, 0.66 s of 12.5. Three of a decoder layer's four matmuls
+of the e4m3 ones per matmul (docs/PERFORMANCE.md measures it). Three of a decoder layer's four matmuls
 take the output of an op the engine runs anyway (RMSNorm before qkv and gate/up, SiLU-and-mul before down), so
 those ops write the e4m3 values and scales directly here, with the arithmetic of the unfused pair: the op's result
 rounded to the model dtype first, then quantize_per_group's scale (amax times the float32 reciprocal of 448, 1
 for an all-zero group) and division. The attention output before o_proj is still quantized by its own kernel.
 
 `Fp8Input` carries the result to the linear layer, which then skips its own quantization (fp8_linear.py).
-quantization/fp8_model.py turns this on per op, only where the consumer is a block-scaled FP8 layer.
+quantize_in_producers (below, called by fp8_model.finish_fp8) turns this on per op, only where the consumer is a
+block-scaled FP8 layer.
 """
 from dataclasses import dataclass
 

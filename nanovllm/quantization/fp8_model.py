@@ -215,9 +215,9 @@ def _quantize_blockwise_in_slabs(weight: torch.Tensor, slab: int = 1024) -> tupl
 def _quantize_at_load(layers: dict[str, Linear], dtype: torch.dtype) -> dict[str, tuple[Fp8Weight, str]]:
     """quantization='fp8': each layer's weight in e4m3 (now its `weight`), as the device multiplies fastest.
 
-    Where block-scaled matmuls exist (Hopper), in 128x128 blocks: at decode's 16-256 rows, cuBLAS's block-wise
-    matmul with its 1x128 activation scales is up to 1.4x faster than the row-wise one (a Qwen3-8B layer on an
-    H200, docs/fp8_weights.md), and only 3-6% slower from 512 rows on; elsewhere one scale per output channel.
+    Where block-scaled matmuls exist (Hopper), in 128x128 blocks: at decode's batch sizes cuBLAS's block-wise
+    matmul with its 1x128 activation scales beats the row-wise one, and loses little on prefill
+    (docs/fp8_weights.md has the figures); elsewhere one scale per output channel.
     On a GPU the e4m3 weights wait in host memory until every model-dtype weight is gone: made one after another
     on the device, each would be carved out of the memory its predecessor just left, and those half-used regions
     could then not go to the KV cache."""

@@ -10,7 +10,8 @@ appends the token it feeds on the device, where it is even before the host has r
 So a decode step sends the device a few numbers per row, not the histories.
 
 On the GPU one Triton kernel does a step's whole penalty work (append, count, rewrite the seen logits): a decode
-step's host time is on the critical path, and the same work as a chain of ~30 torch ops cost 8% of throughput.
+step's host time is on the critical path, and the same work as a chain of ~30 torch ops costs host launches
+(docs/PERFORMANCE.md compares the designs).
 """
 from dataclasses import dataclass
 
