@@ -2,7 +2,7 @@
 
     python benchmarks/microbench_fp8_gemm.py [--shape Qwen3-8B] [--rows 16,64,256,1024,8192]
 
-Each FP8 mode is timed with the activation quantization the engine runs before it (nanovllm/layers/fp8_linear.py,
+Each FP8 mode is timed with the activation quantization the engine runs before it (nanovllm/quantization/fp8_linear.py,
 "+quant") and without it (the matmul alone); row-wise also with Hopper's fast accumulation ("fast"). Speed-ups
 are against bf16 F.linear at the same rows. Weights rotate through enough copies to overflow L2, as in a forward
 pass where the other layers' weights pass between two uses of the same matrix; timed inside a CUDA graph, as
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from cuda_timing import graph_time_us
 
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 from nanovllm.utils.random_checkpoint import SHAPES
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="weight copies rotated per layer (past L2)")
     parser.add_argument("--producers", action="store_true",
                         help="time RMSNorm and SiLU-and-mul writing the quantized input against the op, then the "
-                             "quantization kernel (layers/fp8_fused.py)")
+                             "quantization kernel (quantization/fp8_fused.py)")
     args = parser.parse_args()
     device = torch.device("cuda")
     fp8.SCALED_MM_ON_GPU = True  # the kernels themselves, whether or not the engine uses them yet
@@ -108,8 +108,8 @@ def producers(args: argparse.Namespace, g: torch.Generator, device: torch.device
     """The ops before the block-scaled matmuls, per row count: unfused (the op, then the quantization kernel)
     against fused, in us."""
     from nanovllm.layers.activation import silu_and_mul
-    from nanovllm.layers.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
     from nanovllm.layers.layernorm import add_rms_norm
+    from nanovllm.quantization.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
 
     c = SHAPES[args.shape]
     hidden, inter = c["hidden_size"], c["intermediate_size"]

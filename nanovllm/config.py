@@ -1,7 +1,9 @@
 """Engine options: their names, defaults and allowed values, checked once when an engine starts.
 
 This module imports neither torch nor transformers at import time, so the command line can print its help and
-usage errors at once: what needs them (reading the checkpoint's config, model checks) is imported where it runs.
+usage errors at once: what needs them (reading the checkpoint's config) is imported where it runs. Whether the
+engine can build the model a config describes, and how its weights are quantized, is checked by models/ and
+quantization/ (engine/config_checks.py calls them), so this module imports nothing of the engine's own.
 """
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig
 
-    from nanovllm.utils.fp8_checkpoint import Fp8Settings
-
 # the values the string options take (vLLM's names)
 ATTENTION_BACKENDS = ("triton", "flash_attn", "torch")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8",)
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 DATA_PARALLEL_BACKENDS = ("mp", "ray")  # mp: processes of this host; ray: Ray actors
+# the checkpoint architectures nanovllm.models implements (its MODEL_REGISTRY's keys)
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM")
 DEFAULT_MAX_MODEL_LEN = 4096  # used when the model allows as many positions; else the model's limit
 
 
@@ -41,7 +43,7 @@ class Config:
     attention_backend: str | None = None  # None: the fastest for the device; see nanovllm.attention
     async_scheduling: bool = True  # launch step n+1 before reading step n's tokens back
     max_logprobs: int = 20  # the most logprobs a request may ask for, as vLLM's
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see attention/kv_quant.py
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8"/"fp8_e4m3"; see quantization/kv_quant.py
     quantization: str | None = None  # "fp8": FP8 linear weights from a bf16 checkpoint; see docs/fp8_weights.md
     # vLLM's: "auto" (the checkpoint's), "bfloat16", "float16", "float32" or a torch dtype; a torch dtype once built
     dtype: str | torch.dtype = "auto"
@@ -49,16 +51,13 @@ class Config:
     # accepted for vLLM's scripts; this engine runs only the models it implements, never a checkpoint's own code
     trust_remote_code: bool = False
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    fp8: Fp8Settings | None = field(init=False, default=None)  # from `quantization` and the checkpoint's config
     eos_token_ids: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         # heavy imports here, not at module level: see the module docstring
         from transformers import AutoConfig
 
-        from nanovllm.models import model_class
         from nanovllm.utils.device import check_dtype, model_dtype
-        from nanovllm.utils.fp8_checkpoint import quantization_settings
         from nanovllm.utils.model_path import resolve_model
 
         if self.max_model_len is not None:
@@ -95,13 +94,12 @@ class Config:
         check_no_remote_code(self.model)  # before transformers, which would ask to run the checkpoint's code
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.dtype = dtype or model_dtype(self.hf_config)
-        model_class(self.hf_config)  # an unsupported architecture is refused before anything else
-        check_model_config(self.hf_config)
-        self.fp8 = quantization_settings(self.quantization, self.hf_config)
         positions = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, positions)
-        elif self.max_model_len > positions:  # as vLLM: a longer context than the model was trained for is refused
+        # as vLLM: a longer context than the model was trained for is refused (positions < 1: the model checks
+        # refuse the config itself, naming the field)
+        elif self.max_model_len > positions > 0:
             raise ValueError(f"max_model_len={self.max_model_len} is more than the model's "
                              f"max_position_embeddings={positions} (config.json of {self.model}); pass "
                              f"max_model_len={positions} or less")
@@ -148,8 +146,6 @@ def _eos_token_ids(model: str, hf_config: PretrainedConfig) -> tuple[int, ...]:
 def check_no_remote_code(model: str) -> None:
     """Refuse a checkpoint that names its own code (config.json's auto_map) for an architecture this engine does
     not implement: trust_remote_code cannot help, since the model classes here are the only ones that run."""
-    from nanovllm.models import MODEL_REGISTRY
-
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"the checkpoint folder {model} has no config.json: a Hugging Face checkpoint folder "
@@ -157,44 +153,7 @@ def check_no_remote_code(model: str) -> None:
     with open(path) as f:
         raw = json.load(f)
     architectures = raw.get("architectures") or []
-    if raw.get("auto_map") and not any(name in MODEL_REGISTRY for name in architectures):
+    if raw.get("auto_map") and not any(name in ARCHITECTURES for name in architectures):
         raise ValueError(f"the checkpoint at {model} needs its own code (auto_map {raw['auto_map']}) for "
                          f"architectures={architectures}, which this engine does not implement and will not run, "
-                         f"trust_remote_code or not; supported: {sorted(MODEL_REGISTRY)}")
-
-
-def check_model_config(hf_config: PretrainedConfig) -> None:
-    """Refuse a model config no model can be built from, naming the field, before any weight is read.
-
-    Otherwise a zero size builds empty layers that load and generate nothing useful, or fails much later with a
-    message about something else (max_position_embeddings=0 became "KV cache budget holds no block")."""
-    sizes = ["hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
-             "vocab_size", "max_position_embeddings"]
-    if getattr(hf_config, "head_dim", None) is not None:  # optional: hidden_size // num_attention_heads otherwise
-        sizes.append("head_dim")
-    if getattr(hf_config, "num_experts_per_tok", None) is not None:  # mixture of experts (Qwen3-MoE)
-        sizes += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"]
-    for name in sizes:
-        value = getattr(hf_config, name, None)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"model config {name}={value!r} is impossible: it must be a positive integer")
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-    if heads % kv_heads != 0:
-        raise ValueError(f"model config num_attention_heads={heads} must be a multiple of "
-                         f"num_key_value_heads={kv_heads}: each key/value head serves a whole group of query heads")
-    experts, top_k = getattr(hf_config, "num_experts", None), getattr(hf_config, "num_experts_per_tok", None)
-    if top_k is not None and top_k > experts:
-        raise ValueError(f"model config num_experts_per_tok={top_k} is impossible: there are only "
-                         f"num_experts={experts} experts")
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    if getattr(hf_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-        raise ValueError("model config asks for sliding-window attention, which this engine does not implement "
-                         f"(use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}, "
-                         f"layer_types={sorted(set(layer_types))})")
-    from nanovllm.layers.rotary_embedding import rope_parameters
-
-    rope_parameters(hf_config)  # an unsupported rope scaling type is refused by name
-    eps = getattr(hf_config, "rms_norm_eps", None)
-    # written so NaN fails too
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps > 0:
-        raise ValueError(f"model config rms_norm_eps={eps!r} is impossible: it must be a positive number")
+                         f"trust_remote_code or not; supported: {sorted(ARCHITECTURES)}")

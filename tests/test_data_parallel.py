@@ -189,7 +189,7 @@ def test_importing_the_package_asks_cuda_nothing():
     probe = ("import torch\nasked = []\nreal = torch.cuda.is_available\n"
              "torch.cuda.is_available = lambda: asked.append(1) or real()\n"
              "import nanovllm, nanovllm.run_batch, nanovllm.data_parallel, nanovllm.layers.layernorm\n"
-             "import nanovllm.layers.rotary_embedding, nanovllm.layers.fp8_linear\n"
+             "import nanovllm.layers.rotary_embedding, nanovllm.quantization.fp8_linear\n"
              "assert not asked, 'importing nanovllm asked torch.cuda.is_available()'\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

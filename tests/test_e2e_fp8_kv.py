@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.kv_quant import FP8
+from nanovllm.quantization.kv_quant import FP8
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 

@@ -14,11 +14,11 @@ from test_e2e_transformers import random_prompts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.linear import RowParallelLinear
 from nanovllm.models import model_class
 from nanovllm.models.decoder import Qwen3ForCausalLM
-from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
+from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantization_settings
+from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
@@ -95,7 +95,7 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_model, t
     hf = hf_dequantized(fp8_model, tmp_path)
     prompts = random_prompts([1, 9, 200, 300], seed=5)
     with LLM(fp8_model, num_kvcache_blocks=16) as llm:
-        assert llm.model_runner.config.fp8 == Fp8Settings(checkpoint=True)
+        assert llm.model_runner.fp8 == Fp8Settings(checkpoint=True)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     check(hf, prompts, outputs)
 
@@ -235,7 +235,7 @@ def test_quantization_fp8_matches_a_plain_emulation(tiny_model, hf_model):
 
 def test_fp8_linear_is_the_emulation(tiny_model):
     """One layer, no upstream noise: the engine's FP8 matmul is the plain emulation to float32 rounding."""
-    from nanovllm.layers.fp8_linear import Fp8Weight, fp8_linear, quantize_per_channel
+    from nanovllm.quantization.fp8_linear import Fp8Weight, fp8_linear, quantize_per_channel
 
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(96, 256, generator=g), torch.randn(7, 256, generator=g) * 3

@@ -5,14 +5,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.attention.kv_quant import FP8
+from nanovllm.quantization.kv_quant import FP8
 from nanovllm.utils.context import Context
 
 
 @dataclass
 class LayerKV:
     """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous. An FP8
-    cache (attention/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
+    cache (quantization/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
     fixed before the first write (plain numbers: kernels take them as arguments, CUDA graphs capture them)."""
 
     k: torch.Tensor

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from nanovllm.attention import make_attention_backend
-from nanovllm.config import Config
 from nanovllm.engine.chat import render
+from nanovllm.engine.config_checks import checked_config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.progress import ProgressBar, TokenCounter
@@ -30,7 +30,7 @@ class LLMEngine:
     in flight."""
 
     def __init__(self, model: str, **options) -> None:
-        config = Config.from_options(model, **options)
+        config = checked_config(model, **options)
         self.config = config
         self.workers = None
         self._exited = True  # until there is something to release

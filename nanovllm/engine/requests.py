@@ -6,7 +6,7 @@ from transformers import PreTrainedTokenizerBase
 from nanovllm.config import Config
 from nanovllm.engine.prompts import samples_of
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.bad_words import bad_words_token_ids
+from nanovllm.sampling.bad_words import bad_words_token_ids
 from nanovllm.sampling_params import SamplingParams
 
 

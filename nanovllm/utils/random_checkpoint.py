@@ -177,12 +177,12 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
     call created is removed again.
 
     fp8=True, or a shape name ending in -FP8 (Qwen3-8B-FP8), writes the same weights in the published FP8 layout
-    (nanovllm/utils/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv.
+    (nanovllm/quantization/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv.
 
     A folder that already holds a checkpoint (config.json or weight files) is refused with FileExistsError unless
     overwrite=True, which first removes its config and weight files: a real model's folder given by mistake keeps
     its weights."""
-    from nanovllm.utils.fp8_checkpoint import fp8_quantization_config, to_fp8_checkpoint
+    from nanovllm.utils.quantized_checkpoint import fp8_quantization_config, to_fp8_checkpoint
 
     shape, fp8_shape = split_fp8_shape(shape)
     config = model_config(shape, **config_overrides)  # an unknown shape fails here, before anything is created

@@ -5,12 +5,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.bad_words import BadWordsMask, bad_words_mask
-from nanovllm.layers.gumbel_max import gumbel_max_sample
-from nanovllm.layers.penalties import PenaltyHistories, PenaltyTensors, has_penalties
-from nanovllm.layers.sampling_floors import logit_floors
 from nanovllm.outputs import Logprob
+from nanovllm.sampling.bad_words import BadWordsMask, bad_words_mask
+from nanovllm.sampling.floors import logit_floors
+from nanovllm.sampling.gumbel_max import gumbel_max_sample
+from nanovllm.sampling.penalties import PenaltyHistories, PenaltyTensors, has_penalties
+from nanovllm.sampling.rows import SamplingRow
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -31,7 +31,7 @@ class SamplingTensors:
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
     logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
     penalties: PenaltyTensors | None = None  # applied to the logits first
-    bad_words: BadWordsMask | None = None  # applied after the penalties (layers/bad_words.py)
+    bad_words: BadWordsMask | None = None  # applied after the penalties (sampling/bad_words.py)
 
     @property
     def filtered(self) -> bool:
@@ -52,7 +52,7 @@ class SamplerOutput:
 
 def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor, floors: torch.Tensor | None = None,
                      row_seeds: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """layers/gumbel_max.py's draw in torch ops (the CPU path): argmax(logits / T - log E) with E ~ Exp(1) over the
+    """sampling/gumbel_max.py's draw in torch ops (the CPU path): argmax(logits / T - log E) with E ~ Exp(1) over the
     logits at or above each row's floor is a draw from their softmax; temperature 0 rows take the plain argmax.
     A row with a seed (row_seeds >= 0) draws its noise from a generator keyed by it alone."""
     logits = logits.float()
@@ -117,7 +117,7 @@ class Sampler(nn.Module):
         else:
             self.generator.manual_seed(seed)
 
-    def prepare(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
+    def prepare(self, seqs: list[SamplingRow], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
         """fed_token_ids: a decode step's input ids on the device (the tokens the penalties count last)."""
         params = [seq.params for seq in seqs]
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
