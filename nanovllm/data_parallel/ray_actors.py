@@ -4,6 +4,7 @@ cluster has no GPU), on the cluster named by RAY_ADDRESS, or on a local Ray inst
 Every node must hold the model at the same path: actors load it there, the driver sends no weights. Ray is
 imported only here, so it stays an optional extra.
 """
+import os
 import queue
 import threading
 import time
@@ -11,6 +12,9 @@ import time
 from nanovllm.data_parallel.replica import STOP, serve
 
 POLL_S = 0.5  # an actor answers a poll within this long even with nothing to say
+# Ray runs its workers at niceness 15 (its own processes keep priority); a replica feeds a GPU and should not
+# queue behind the driver or other work of the host, so a local instance this driver starts gets 0
+NICENESS = "RAY_worker_niceness"
 UNRESPONSIVE_S = 900.0  # a poll not back in this long (never placed, node hung) counts the actor as lost
 JOIN_S = 30.0
 
@@ -18,16 +22,17 @@ JOIN_S = 30.0
 class ReplicaActor:
     """serve() in a thread of the actor; submit() and poll() are the methods the driver calls."""
 
-    def __init__(self, engine_class: type, model: str, options: dict) -> None:
+    def __init__(self, engine_class: type, model: str, options: dict, requested_at: float) -> None:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self._next, self._early, self._lock = 0, {}, threading.Lock()
-        self.thread = threading.Thread(target=self._run, args=(engine_class, model, options), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(engine_class, model, options, requested_at),
+                                       daemon=True)
         self.thread.start()
 
-    def _run(self, engine_class: type, model: str, options: dict) -> None:
+    def _run(self, engine_class: type, model: str, options: dict, requested_at: float) -> None:
         try:
-            serve(lambda: engine_class(model, **options), self.inbox, self.outbox.put)
+            serve(lambda: engine_class(model, **options), self.inbox, self.outbox.put, requested_at)
         except BaseException:  # serve has sent the driver its error
             pass
 
@@ -66,11 +71,13 @@ class RayReplicas:
         self.ray = ray
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            ray.init()  # joins the cluster that RAY_ADDRESS names, else starts a local instance
+            _init_ray(ray)
         try:
             resources = self._resources(replicas, options.get("tensor_parallel_size", 1))
             actor_class = ray.remote(ReplicaActor).options(max_concurrency=2, **resources)
-            self.actors = [actor_class.remote(engine_class, model, options) for _ in range(replicas)]
+            # all at once: Ray places and starts them concurrently, and each starts its engine in a thread of
+            # its own, so that no actor's start-up waits for another's
+            self.actors = [actor_class.remote(engine_class, model, options, time.time()) for _ in range(replicas)]
         except BaseException:
             if self.owns_ray:
                 ray.shutdown()
@@ -152,3 +159,17 @@ class RayReplicas:
         finally:
             if self.owns_ray:
                 self.ray.shutdown()
+
+
+def _init_ray(ray) -> None:
+    """ray.init(): joins the cluster that RAY_ADDRESS names, else starts a local instance, whose workers (the
+    replicas) then run at the driver's own priority rather than Ray's default niceness."""
+    local = not os.environ.get("RAY_ADDRESS")
+    set_here = local and NICENESS not in os.environ
+    if set_here:  # read by the local instance's processes as they start; the driver's environment is restored
+        os.environ[NICENESS] = "0"
+    try:
+        ray.init()
+    finally:
+        if set_here:
+            del os.environ[NICENESS]
