@@ -158,7 +158,7 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     engine = None
     if todo:  # nothing left: no model to load
         try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
-            # fork=True: nothing in this process has touched CUDA, so replica processes may be forked from it
+            # fork=True: this process runs nothing that a fork would break, so replicas may skip their imports
             engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
                              else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
                                                engine_class=engine_class, fork=True, **engine_options(args)))

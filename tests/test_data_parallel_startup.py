@@ -13,7 +13,7 @@ import uuid
 import pytest
 from test_data_parallel import GREEDY, OPTIONS, needs_ray, prompts
 
-from nanovllm.data_parallel import DataParallel
+from nanovllm.data_parallel import DataParallel, processes
 from nanovllm.engine import startup
 from nanovllm.engine.startup import StartupTimes, describe_engine, describe_replicas
 
@@ -110,6 +110,24 @@ def test_ray_replicas_start_concurrently(meeting, tiny_model, monkeypatch):
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert not ray.is_initialized()  # the driver stopped the instance it started
+
+
+def test_replicas_are_spawned_where_the_cuda_driver_is_initialised(monkeypatch):
+    """A child forked after cuInit cannot use CUDA: the CUDA driver's own answer decides (cuDeviceGetCount is
+    CUDA_ERROR_NOT_INITIALIZED, 3, until cuInit has run)."""
+    only_the_main_thread()
+
+    class Libcuda:
+        def __init__(self, answer: int) -> None:
+            self.answer = answer
+
+        def cuDeviceGetCount(self, count) -> int:
+            return self.answer
+
+    for answer, method in ((3, "fork"), (0, "spawn"), (100, "spawn")):
+        monkeypatch.setattr(processes.ctypes, "CDLL", lambda name, answer=answer: Libcuda(answer))
+        assert processes.start_method(True) == method, f"cuDeviceGetCount answered {answer}"
+        assert processes.start_method(False) == "spawn"
 
 
 def test_a_forked_replica_leaves_when_its_driver_dies(tiny_model):

@@ -55,8 +55,9 @@ class DataParallel:
     processes of this host (backend "mp") or as Ray actors (backend "ray"). iter_generate() is LLM's, spread
     over them. Duck-types the parts of LLM that run-batch uses (config, tokenizer, chat_prompt,
     get_default_sampling_params, describe_startup), all from the driver's own tokenizer and config: the driver
-    loads no model. fork (backend "mp"): the caller's word that this process has not touched CUDA, so that
-    replicas may be forked rather than spawned and skip their imports (processes.py)."""
+    loads no model. fork (backend "mp"): the caller allows replicas to be forked from this process rather than
+    spawned, so that they skip their imports; it is done only where safe (processes.py), and a caller whose
+    process runs native threads that do not survive a fork (a gRPC client, Ray's) must not allow it."""
 
     chat_prompt = LLMEngine.chat_prompt  # they read only self.tokenizer and self.config
     get_default_sampling_params = LLMEngine.get_default_sampling_params

@@ -1,9 +1,9 @@
 """Backend "mp": replicas as spawned processes on this host, each on its own group of GPUs (or on CPU).
 
-Replicas are forked where the caller says this process has not touched CUDA (run-batch's driver counts GPUs through
-NVML only) and it runs no other thread: a forked replica starts with everything the driver imported, while a
-spawned one first imports torch, transformers and nanovllm again, seconds on the path to its first request.
-Elsewhere (other platforms, a caller whose process may have used CUDA) they are spawned.
+Replicas are forked where the caller asks for it and it is safe: on Linux, from a process that runs no other Python
+thread and in which the CUDA driver has not been initialised (the driver counts GPUs through NVML only). A forked
+replica starts with everything the driver imported, while a spawned one first imports torch, transformers and
+nanovllm again, seconds on the path to its first request. Elsewhere they are spawned.
 
 Each replica has its own pipe. The driver closes its copy of the replica's end, and a forked replica closes its
 copies of the driver's ends, so a replica that dies, even mid-message, reads as end-of-file once what it sent
@@ -11,6 +11,7 @@ before dying has been read: no wait on a dead process (nor, in a replica, on a d
 thread in the replica moves incoming work into a local queue as it arrives, and another sends its results
 (sender.py), so neither the driver's sends nor the engine wait on the pipe (nor two full pipes on each other).
 """
+import ctypes
 import os
 import queue
 import signal
@@ -25,20 +26,33 @@ from nanovllm.data_parallel.replica import STOP, serve
 JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
 
 
-def visible_gpus() -> tuple[int, bool]:
-    """(how many GPUs this process sees, whether counting them set CUDA up here). Counted through NVML where it
-    can be, as torch.cuda.device_count() does first: the CUDA runtime's count (torch.cuda.is_available()) takes
-    time before any replica starts, for nothing the driver uses, and a process forked after it cannot use CUDA.
-    A GPU that NVML lists and CUDA cannot use stops its replica with a message naming it (check_devices)."""
+CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def visible_gpus() -> int:
+    """How many GPUs this process sees, counted through NVML where it can be, as torch.cuda.device_count() does
+    first: the CUDA runtime's count (torch.cuda.is_available()) initialises the CUDA driver, which takes time
+    before any replica starts, for nothing the driver uses, and after which a forked process cannot use CUDA. A
+    GPU that NVML lists and CUDA cannot use stops its replica with a message naming it (check_devices)."""
     import torch
 
     if not torch.backends.cuda.is_built():
-        return 0, False
+        return 0
     by_nvml = getattr(torch.cuda, "_device_count_nvml", None)  # private to torch: its absence is handled
     count = by_nvml() if by_nvml is not None else -1
-    if count >= 0:
-        return count, False
-    return torch.cuda.device_count(), True
+    return count if count >= 0 else torch.cuda.device_count()
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether anything (torch, Triton, a caller) has initialised the CUDA driver in this process, after which a
+    forked child cannot use CUDA. The driver library answers without initialising anything: cuDeviceGetCount
+    returns CUDA_ERROR_NOT_INITIALIZED until cuInit has run (any other answer counts as initialised)."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no CUDA driver on this machine: nothing to initialise
+        return False
+    count = ctypes.c_int()
+    return libcuda.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
 
 
 def device_groups(replicas: int, tp: int, count: int) -> list[str | None]:
@@ -85,11 +99,9 @@ def check_devices(devices: str | None, name: str) -> None:
 
 def start_method(fork: bool) -> str:
     """"fork" where asked for and safe here (Linux, no other Python thread that could hold a lock the replica
-    needs, torch has not set CUDA up in this process), else "spawn"."""
-    import torch
-
+    needs, the CUDA driver not initialised in this process), else "spawn"."""
     if fork and sys.platform.startswith("linux") and "fork" in get_all_start_methods() \
-            and threading.active_count() == 1 and not torch.cuda.is_initialized():
+            and threading.active_count() == 1 and not cuda_driver_initialised():
         return "fork"
     return "spawn"
 
@@ -122,16 +134,15 @@ def _replica_main(conn: connection.Connection, engine_class: type, model: str, o
 
 
 class ProcessReplicas:
-    """Starts the replica processes, all at once, and carries messages to and from them. fork: the caller's
-    word that this process has not touched CUDA (see the module's docstring)."""
+    """Starts the replica processes, all at once, and carries messages to and from them. fork: the caller allows
+    forking them where it is safe (see the module's docstring)."""
 
     def __init__(self, replicas: int, engine_class: type, model: str, options: dict, fork: bool = False) -> None:
-        count, cuda_set_up = visible_gpus()
-        devices = device_groups(replicas, options.get("tensor_parallel_size", 1), count)
+        devices = device_groups(replicas, options.get("tensor_parallel_size", 1), visible_gpus())
         threads = None
         if devices[0] is None and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // replicas)
-        self.start_method = start_method(fork and not cuda_set_up)
+        self.start_method = start_method(fork)
         ctx = get_context(self.start_method)
         self.conns: list[connection.Connection] = []
         self.processes = []
