@@ -1,4 +1,4 @@
-"""Backend "mp": replicas as spawned processes on this host, each on its own group of GPUs (or on CPU).
+"""Backend "mp": replicas as processes of this host, each on its own group of GPUs (or on CPU).
 
 Replicas are forked where the caller asks for it and it is safe: on Linux, from a process that runs no other Python
 thread and in which the CUDA driver has not been initialised (the driver counts GPUs through NVML only). A forked
@@ -24,9 +24,7 @@ from multiprocessing.process import BaseProcess
 from nanovllm.data_parallel.replica import STOP, serve
 
 JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
-
-
-CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NOT_INITIALIZED = 3  # the CUDA driver's answer to a call before cuInit
 
 
 def visible_gpus() -> int:
