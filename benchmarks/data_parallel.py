@@ -1,27 +1,26 @@
 """Data parallelism through `run-batch`: the chat workload at DP=1, DP=2 over processes and DP=2 over Ray, each
-seeded and unseeded (GPU), and the driver's own ceiling: requests/s it reads, dispatches and writes with replicas
-that answer instantly.
+seeded and unseeded (GPU, data_parallel_gpu.py), and the driver's own ceiling: requests/s it reads, dispatches and
+writes with replicas that answer instantly, and the CPU time the replicas spend on the transport meanwhile.
 
-    python benchmarks/data_parallel.py gpu [--model PATH]        # on a host with 2 GPUs
+    python benchmarks/data_parallel.py gpu [--model PATH]        # on a host with 2 GPUs (see --help)
     python benchmarks/data_parallel.py gpu --cpu-smoke           # the same six runs, small, on CPU
     python benchmarks/data_parallel.py driver --replicas 1 2 8   # anywhere (CPU is fine): processes, then Ray
 
-The chat workload: 4,096 completions of random token ids, prompts of 20-200 tokens, outputs of 20-400 (uniform,
+The chat workload: 16,384 completions of random token ids, prompts of 20-200 tokens, outputs of 20-400 (uniform,
 seed 0), temperature 0.6, ignore_eos; seeded runs give request i the body field "seed": i.
 """
 import argparse
 import glob
 import importlib.util
 import json
-import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from random import Random
 
+STARTED = time.perf_counter()  # gpu's budget counts from here: the checkpoint's first writing included
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -29,7 +28,10 @@ from nanovllm import batch_io, run_batch  # noqa: E402
 from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanovllm.utils.random_checkpoint import default_checkpoint  # noqa: E402
 
-STEADY_FROM = 0.02  # steady state starts once this fraction of the output exists: startup and ramp-up left out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import data_parallel_gpu  # noqa: E402
+from data_parallel_gpu import steady_rate  # noqa: E402, F401 (tests use it from here)
+
 BARRIER = "NANOVLLM_BENCH_BARRIER"  # a folder where instant replicas wait for each other (inherited by replicas)
 SMOKE_ENGINE = ["--num-kvcache-blocks", "256", "--max-model-len", "512", "--max-num-seqs", "16"]
 
@@ -47,18 +49,6 @@ def write_workload(path: str, count: int, seeded: bool = False, vocab: int = 100
                     + "\n")
 
 
-def steady_rate(samples: list[tuple[float, int]], total: int, start_fraction: float = STEADY_FROM) -> float:
-    """Requests/s from the moment `start_fraction` of the `total` lines exist to the last sample: (lines at the
-    end - lines then) / (time at the end - time then). samples: (time, lines so far) as the output grew."""
-    mark = max(1, math.ceil(start_fraction * total))
-    start = next(((t, lines) for t, lines in samples if lines >= mark), None)
-    if start is None or samples[-1][0] <= start[0]:
-        raise ValueError(f"the output reached {mark} of {total} lines only at its last sample, if at all: no "
-                         f"interval to time")
-    (start_time, start_lines), (end_time, end_lines) = start, samples[-1]
-    return (end_lines - start_lines) / (end_time - start_time)
-
-
 class InstantEngine:
     """A replica's engine that answers each request the moment it is pulled, with max_tokens tokens of text:
     what is left to time is the driver (read, parse, dispatch, collect, format, write) and the transport. Where
@@ -66,6 +56,7 @@ class InstantEngine:
     driver's."""
 
     def __init__(self, model: str, **options) -> None:
+        self.cpu, self.answered = time.process_time(), 0
         folder = os.environ.get(BARRIER)
         if folder:
             open(os.path.join(folder, f"ready-{uuid.uuid4().hex}"), "w").close()
@@ -80,12 +71,18 @@ class InstantEngine:
         return self
 
     def __exit__(self, *exc_info) -> None:
-        pass
+        """Leaves, where BARRIER names a folder, the CPU time its process spent (all its threads: the transport's)
+        and the requests it answered."""
+        folder = os.environ.get(BARRIER)
+        if folder:
+            with open(os.path.join(folder, f"cpu-{uuid.uuid4().hex}"), "w") as f:
+                f.write(f"{time.process_time() - self.cpu} {self.answered}")
 
     def iter_generate(self, prompts, params, errors="yield"):
         for index, (prompt, p) in enumerate(zip(prompts, params)):
             ids = [42] * p.max_tokens
             completion = CompletionOutput(0, "word " * p.max_tokens, ids, None, None, "length")
+            self.answered += 1
             yield index, RequestOutput(str(index), None, prompt["prompt_token_ids"], [completion])
 
 
@@ -126,7 +123,24 @@ def driver(args: argparse.Namespace) -> None:
                 print(f"driver, {backend}, {replicas} instant replicas: {args.requests} requests, {rate:,.0f} req/s "
                       f"(first to last record); by the driver's CPU time {per_core:,.0f} req/s per core; messages "
                       f"per request: {count.sent / args.requests:.3f} to replicas, "
-                      f"{count.received / args.requests:.3f} back", flush=True)
+                      f"{count.received / args.requests:.3f} back; replicas' CPU time "
+                      f"{replica_cpu_us(barrier, args.requests)} per request", flush=True)
+
+
+def replica_cpu_us(folder: str, requests: int) -> str:
+    """The replicas' CPU time per request ('12 us'), from what their engines left in `folder` as they exited (a
+    replica's process outlives the run's last record by a moment: waited for, up to 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        files = glob.glob(os.path.join(folder, "cpu-*"))
+        reports = [open(path).read().split() for path in files]
+        if sum(int(answered) for _, answered in reports) >= requests or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for path in files:
+        os.remove(path)
+    seconds, answered = sum(float(cpu) for cpu, _ in reports), sum(int(a) for _, a in reports)
+    return f"{1e6 * seconds / answered:.0f} us" if answered else "unknown"
 
 
 class MessageCount:
@@ -185,81 +199,15 @@ def gpu(args: argparse.Namespace) -> None:
         # (a DP=1 run of this workload took 260 s with two threads, 4 s with one)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
     else:
-        model, requests, engine, shape = args.model or default_checkpoint("Qwen3-0.6B"), args.requests or 4096, [], {}
-        env = None
-    runs = [("DP=1", []), ("DP=2 mp", ["-dp", "2"]), ("DP=2 ray", ["-dp", "2", "-dpb", "ray"])]
-    if importlib.util.find_spec("ray") is None:
-        print("ray is not installed here (pip install -e '.[ray]'): DP=2 ray is left out", flush=True)
-        runs.pop()
-    rows, failed = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seeded in (False, True):
-            inp = os.path.join(tmp, f"in-{seeded}.jsonl")
-            write_workload(inp, requests, seeded, **shape)
-            for name, flags in runs:
-                out = os.path.join(tmp, f"{name.replace(' ', '-').replace('=', '')}-{seeded}.jsonl")
-                result = timed_run(model, inp, out, requests, [*engine, *flags], env)
-                label = f"{name}, {'seeded' if seeded else 'unseeded'}"
-                if isinstance(result, str):
-                    print(f"{label}: failed: {result}", flush=True)
-                    failed.append(label)
-                    continue
-                total, steady, summary = result
-                print(f"{label}: {steady:.1f} req/s steady, {total:.1f} req/s in all; {summary}", flush=True)
-                rows.append((name, seeded, total, steady))
-    print(table(rows, requests))
-    if failed:
-        sys.exit(f"failed: {'; '.join(failed)}")
-
-
-def timed_run(model: str, inp: str, out: str, requests: int, flags: list[str],
-              env: dict | None) -> tuple[float, float, str] | str:
-    """One run-batch, watched as its output grows: (requests/s in all, steady requests/s, its summary line), or
-    why it failed."""
-    with open(out + ".stderr", "w+") as log:  # a file, not a pipe: progress bars would fill a pipe nobody reads
-        start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "nanovllm", "run-batch", "-i", inp, "-o", out, "--model",
-                                 model, *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
-        samples = lines_over_time(proc, out)
-        end = time.perf_counter()
-        log.seek(0)
-        last = (log.read().strip().splitlines() or [f"exit code {proc.returncode}, nothing on stderr"])[-1]
-    if proc.returncode != 0 or not samples or samples[-1][1] != requests:
-        return last
-    try:
-        return requests / (end - start), steady_rate(samples, requests), last
-    except ValueError as error:  # too few requests to see the output grow
-        return str(error)
-
-
-def lines_over_time(proc: subprocess.Popen, path: str) -> list[tuple[float, int]]:
-    """(time, lines in the output) each time the count changed, polled every 20 ms until the process ends."""
-    samples: list[tuple[float, int]] = []
-    offset = count = 0
-    while True:
-        running = proc.poll() is None
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-            offset += len(data)
-            if data.count(b"\n"):
-                count += data.count(b"\n")
-                samples.append((time.perf_counter(), count))
-        if not running:
-            return samples
-        time.sleep(0.02)
-
-
-def table(rows: list[tuple[str, bool, float, float]], requests: int) -> str:
-    """Markdown: each run's rates, and its steady rate over DP=1's with the same seeding."""
-    base = {seeded: steady for name, seeded, _, steady in rows if name == "DP=1"}
-    lines = [f"| configuration | seeding | req/s in all (with startup) | steady req/s (from {STEADY_FROM:.0%} of "
-             f"{requests:,} lines) | steady vs DP=1 |", "| --- | --- | --- | --- | --- |"]
-    for name, seeded, total, steady in rows:
-        ratio = f"{steady / base[seeded]:.2f}x" if seeded in base else "n/a"
-        lines.append(f"| {name} | {'seeded' if seeded else 'unseeded'} | {total:.1f} | {steady:.1f} | {ratio} |")
-    return "\n".join(lines)
+        model, requests, engine, shape = args.model or default_checkpoint("Qwen3-0.6B"), args.requests or 16384, [], {}
+        env = dict(os.environ)
+    if "ray" in args.configs and importlib.util.find_spec("ray") is None:
+        print("ray is not installed here (pip install -e '.[ray]'): DP=2 over Ray is left out", flush=True)
+        args.configs = [config for config in args.configs if config != "ray"]
+    runs, failed, left_out = data_parallel_gpu.run_all(
+        args, STARTED, model, requests, engine, env,
+        lambda path, count, seeded: write_workload(path, count, seeded, **shape))
+    data_parallel_gpu.report(runs, failed, left_out)
 
 
 def main() -> None:
@@ -273,12 +221,9 @@ def main() -> None:
     # run: the timing starts at the first record
     d.add_argument("--max-num-seqs", type=int, default=64)
     g = commands.add_parser("gpu", help="the chat workload through run-batch at DP=1, DP=2 mp, DP=2 ray, each "
-                                        "seeded and unseeded")
-    g.add_argument("--model", default=None, help="checkpoint (default: Qwen3-0.6B-shaped random weights; tiny "
-                                                 "with --cpu-smoke)")
-    g.add_argument("--requests", type=int, default=None, help="default 4,096 (96 with --cpu-smoke)")
-    g.add_argument("--cpu-smoke", action="store_true", help="the tiny model and short requests, to run the "
-                                                            "script end to end where there is no GPU")
+                                        "seeded and unseeded", description=data_parallel_gpu.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    data_parallel_gpu.add_arguments(g)
     args = parser.parse_args()
     driver(args) if args.command == "driver" else gpu(args)
 

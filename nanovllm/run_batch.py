@@ -13,6 +13,7 @@ from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, 
 from nanovllm.cli import build_parser, main  # noqa: F401  (run_batch.main and build_parser, as before)
 from nanovllm.data_parallel import DataParallel, ReplicasLost
 from nanovllm.engine.progress import ProgressBar, TokenCounter
+from nanovllm.engine.startup import process_started
 from nanovllm.engine_flags import engine_options
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -124,9 +125,10 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     engine = None
     if todo:  # nothing left: no model to load
         try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
+            # fork=True: this process runs nothing that a fork would break, so replicas may skip their imports
             engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
                              else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
-                                               engine_class=engine_class, **engine_options(args)))
+                                               engine_class=engine_class, fork=True, **engine_options(args)))
         except (OSError, ValueError, TypeError, ImportError) as error:  # options, checkpoint, devices, ray
             return _fail(f"cannot start the engine: {type(error).__name__}: {error}")
     if done.torn is not None:  # only now that work can start: a run that cannot start leaves the file as it was
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
                     engine.exit()
         if isinstance(engine, DataParallel):
             stats.per_replica = engine.answered
+        if llm is None:  # where this process's start-up went, up to the first request (engine/startup.py)
+            _say(f"start-up: {engine.describe_startup(process_started())}")
     print(f"nanovllm run-batch: {stats.succeeded} succeeded, {stats.failed} failed, {stats.skipped} skipped "
           f"(already done); {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated tokens; "
           f"{time.perf_counter() - start:.1f} s" + (f"; per replica: {stats.per_replica}" if stats.per_replica else ""),

@@ -135,13 +135,14 @@ def test_all_replicas_killed_stops_clearly_then_resumes(tiny_model, tmp_path, ca
 
 
 def replica_pids(parent: int) -> list[int]:
-    """The replica processes the run started (its spawned children, not multiprocessing's resource tracker)."""
+    """The replica processes the run started (its children, forked or spawned, not multiprocessing's resource
+    tracker)."""
     with open(f"/proc/{parent}/task/{parent}/children") as f:
         children = [int(pid) for pid in f.read().split()]
     pids = []
     for pid in children:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+            if b"resource_tracker" not in f.read():
                 pids.append(pid)
     assert len(pids) == 2, f"expected 2 replica processes among {children}"
     return pids

@@ -11,6 +11,7 @@ front of the queue for the others, and an answer counts only while its replica s
 is yielded exactly once. Every wait is bounded (POLL_S), and liveness is checked on each turn.
 """
 import itertools
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -20,6 +21,7 @@ from nanovllm.config import DATA_PARALLEL_BACKENDS
 from nanovllm.engine.config_checks import checked_config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.prompts import Prompt
+from nanovllm.engine.startup import StartupTimes, describe_replicas
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -45,26 +47,32 @@ class Held:
     alive: bool = True
     answered: int = 0
     fate: str = ""  # why it is gone
+    startup: StartupTimes | None = None  # its start-up, as it reported it once ready
+    first_sent: float | None = None  # when it was first sent work
 
 
 class DataParallel:
     """N replicas of LLM(model, **engine_options), each on its own tensor_parallel_size GPUs (or on CPU), in
     processes of this host (backend "mp") or as Ray actors (backend "ray"). iter_generate() is LLM's, spread
     over them. Duck-types the parts of LLM that run-batch uses (config, tokenizer, chat_prompt,
-    get_default_sampling_params), all from the driver's own tokenizer and config: the driver loads no model."""
+    get_default_sampling_params, describe_startup), all from the driver's own tokenizer and config: the driver
+    loads no model. fork (backend "mp"): the caller allows replicas to be forked from this process rather than
+    spawned, so that they skip their imports; it is done only where safe (processes.py), and a caller whose
+    process runs native threads that do not survive a fork (a gRPC client, Ray's) must not allow it."""
 
     chat_prompt = LLMEngine.chat_prompt  # they read only self.tokenizer and self.config
     get_default_sampling_params = LLMEngine.get_default_sampling_params
 
     def __init__(self, model: str, data_parallel_size: int, backend: str = "mp", *, engine_class: type = LLM,
-                 **engine_options) -> None:
+                 fork: bool = False, **engine_options) -> None:
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         if backend not in BACKENDS:
             raise ValueError(f"data-parallel backend must be one of {BACKENDS}, got {backend!r}")
+        self.startup = StartupTimes()
         # options are checked here, once, rather than failing in every replica
         self.config = checked_config(model, **engine_options)
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.startup.lap("config")
         self.credit = 3 * self.config.max_num_seqs
         # a replica waits for a refill until it has room for this many, so requests travel in batches; it still
         # holds more than 7/8 of its credit, more than its engine's window of 2 x max_num_seqs
@@ -73,9 +81,18 @@ class DataParallel:
             from .processes import ProcessReplicas as Replicas
         else:
             from .ray_actors import RayReplicas as Replicas
-        self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options)
+        # every replica is asked for at once, before the driver's own tokenizer: they all start meanwhile
+        self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options,
+                                 **({"fork": True} if fork and backend == "mp" else {}))
+        self.startup.lap("replicas launched" if backend == "mp" else "Ray and replicas launched")
         self.held = [Held(name) for name in self.replicas.names]
         self._clean = False
+        try:
+            self.tokenizer = load_tokenizer(self.config.model)
+        except BaseException:
+            self.exit()
+            raise
+        self.startup.lap("tokenizer")
 
     @property
     def answered(self) -> list[int]:
@@ -124,8 +141,9 @@ class DataParallel:
             if kind == "results":  # an answer whose request was handed to another already is dropped
                 answers += [(r, index, output) for index, output in payload
                             if held.requests.pop(index, None) is not None]
-            elif kind == "ready":  # where it runs: a Ray actor's host is known only now
-                held.name = held.name[:-1] + f", on {payload})"
+            elif kind == "ready":  # where it runs (a Ray actor's host is known only now), and its start-up
+                host, held.startup = payload
+                held.name = held.name[:-1] + f", on {host})"
             else:  # "error": the replica stops; its engine's last words name the cause
                 self.replicas.kill(r)
                 self._lose(r, payload, retry)
@@ -156,7 +174,10 @@ class DataParallel:
                 if held.alive and not held.drained:
                     batches.setdefault(r, []).append(DRAIN)
         for r, items in batches.items():
-            self.held[r].drained = items[-1] == DRAIN
+            held = self.held[r]
+            held.drained = items[-1] == DRAIN
+            if held.first_sent is None:
+                held.first_sent = time.time()
             self.replicas.send(r, items)
         return exhausted
 
@@ -169,6 +190,12 @@ class DataParallel:
         left = sum(h.alive for h in self.held)
         warnings.warn(f"data-parallel {held.name} is gone ({reason}); its {len(lost)} unfinished requests go to "
                       f"the {left} replica(s) left", RuntimeWarning, stacklevel=2)
+
+    def describe_startup(self, origin: float | None = None) -> str:
+        """Where start-up went: the driver's phases, then when each replica took its first request and its phases
+        (engine/startup.py); origin: when the driver's process started (else when this object was made)."""
+        return describe_replicas(self.startup.began if origin is None else origin, self.startup,
+                                 [(held.name, held.startup, held.first_sent) for held in self.held])
 
     def exit(self) -> None:
         """Stop the replicas (a clean stop lets engines release their memory; otherwise they are interrupted)."""

@@ -1,30 +1,63 @@
-"""Backend "mp": replicas as spawned processes on this host, each on its own group of GPUs (or on CPU).
+"""Backend "mp": replicas as processes of this host, each on its own group of GPUs (or on CPU).
 
-Each replica has its own pipe. The driver closes its copy of the replica's end, so a replica that dies, even
-mid-message, reads as end-of-file once what it sent before dying has been read: no wait on a dead process. A
+Replicas are forked where the caller asks for it and it is safe: on Linux, from a process that runs no other Python
+thread and in which the CUDA driver has not been initialised (the driver counts GPUs through NVML only). A forked
+replica starts with everything the driver imported, while a spawned one first imports torch, transformers and
+nanovllm again, seconds on the path to its first request. Elsewhere they are spawned.
+
+Each replica has its own pipe. The driver closes its copy of the replica's end, and a forked replica closes its
+copies of the driver's ends, so a replica that dies, even mid-message, reads as end-of-file once what it sent
+before dying has been read: no wait on a dead process (nor, in a replica, on a dead driver). A
 thread in the replica moves incoming work into a local queue as it arrives, and another sends its results
 (sender.py), so neither the driver's sends nor the engine wait on the pipe (nor two full pipes on each other).
 """
+import ctypes
 import os
 import queue
 import signal
+import sys
 import threading
-from multiprocessing import connection, current_process, get_context
+import time
+from multiprocessing import connection, current_process, get_all_start_methods, get_context
 from multiprocessing.process import BaseProcess
 
 from nanovllm.data_parallel.replica import STOP, serve
 
 JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
+CUDA_ERROR_NOT_INITIALIZED = 3  # the CUDA driver's answer to a call before cuInit
 
 
-def device_groups(replicas: int, tp: int) -> list[str | None]:
-    """CUDA_VISIBLE_DEVICES for each replica: consecutive groups of `tp` of this process's visible GPUs; None
-    for every replica where there is no GPU (CPU replicas)."""
+def visible_gpus() -> int:
+    """How many GPUs this process sees, counted through NVML where it can be, as torch.cuda.device_count() does
+    first: the CUDA runtime's count (torch.cuda.is_available()) initialises the CUDA driver, which takes time
+    before any replica starts, for nothing the driver uses, and after which a forked process cannot use CUDA. A
+    GPU that NVML lists and CUDA cannot use stops its replica with a message naming it (check_devices)."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.backends.cuda.is_built():
+        return 0
+    by_nvml = getattr(torch.cuda, "_device_count_nvml", None)  # private to torch: its absence is handled
+    count = by_nvml() if by_nvml is not None else -1
+    return count if count >= 0 else torch.cuda.device_count()
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether anything (torch, Triton, a caller) has initialised the CUDA driver in this process, after which a
+    forked child cannot use CUDA. The driver library answers without initialising anything: cuDeviceGetCount
+    returns CUDA_ERROR_NOT_INITIALIZED until cuInit has run (any other answer counts as initialised)."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no CUDA driver on this machine: nothing to initialise
+        return False
+    count = ctypes.c_int()
+    return libcuda.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED
+
+
+def device_groups(replicas: int, tp: int, count: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES for each replica: consecutive groups of `tp` of this process's `count` visible GPUs;
+    None for every replica where there is no GPU (CPU replicas)."""
+    if count == 0:
         return [None] * replicas
-    count = torch.cuda.device_count()
     if replicas * tp > count:
         raise ValueError(f"data_parallel_size={replicas} x tensor_parallel_size={tp} needs {replicas * tp} GPUs "
                          f"but {count} are visible")
@@ -62,8 +95,20 @@ def check_devices(devices: str | None, name: str) -> None:
                            f"used: check the GPUs of this machine and the data/tensor parallel sizes")
 
 
+def start_method(fork: bool) -> str:
+    """"fork" where asked for and safe here (Linux, no other Python thread that could hold a lock the replica
+    needs, the CUDA driver not initialised in this process), else "spawn"."""
+    if fork and sys.platform.startswith("linux") and "fork" in get_all_start_methods() \
+            and threading.active_count() == 1 and not cuda_driver_initialised():
+        return "fork"
+    return "spawn"
+
+
 def _replica_main(conn: connection.Connection, engine_class: type, model: str, options: dict,
-                  devices: str | None, threads: int | None) -> None:
+                  devices: str | None, threads: int | None, requested_at: float,
+                  drivers_ends: list[connection.Connection]) -> None:
+    for end in drivers_ends:  # a forked replica's copies of the driver's pipe ends (see the module's docstring)
+        end.close()
     check_devices(devices, current_process().name)
     if threads is not None:  # CPU replicas share the cores rather than each taking all of them
         import torch
@@ -81,20 +126,22 @@ def _replica_main(conn: connection.Connection, engine_class: type, model: str, o
 
     threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
     try:
-        serve(lambda: engine_class(model, **options), inbox, conn.send)
+        serve(lambda: engine_class(model, **options), inbox, conn.send, requested_at)
     except (BrokenPipeError, KeyboardInterrupt):  # the driver left or stopped us: not worth a traceback
         pass
 
 
 class ProcessReplicas:
-    """Starts the replica processes and carries messages to and from them."""
+    """Starts the replica processes, all at once, and carries messages to and from them. fork: the caller allows
+    forking them where it is safe (see the module's docstring)."""
 
-    def __init__(self, replicas: int, engine_class: type, model: str, options: dict) -> None:
-        devices = device_groups(replicas, options.get("tensor_parallel_size", 1))
+    def __init__(self, replicas: int, engine_class: type, model: str, options: dict, fork: bool = False) -> None:
+        devices = device_groups(replicas, options.get("tensor_parallel_size", 1), visible_gpus())
         threads = None
         if devices[0] is None and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // replicas)
-        ctx = get_context("spawn")  # a CUDA context does not survive fork; spawn also suits every platform
+        self.start_method = start_method(fork)
+        ctx = get_context(self.start_method)
         self.conns: list[connection.Connection] = []
         self.processes = []
         self.ended: set[int] = set()  # replicas whose pipe reached end-of-file
@@ -102,13 +149,16 @@ class ProcessReplicas:
         for r, group in enumerate(devices):
             parent, child = ctx.Pipe()
             # not a daemon: daemonic processes may not start the engine's own tensor-parallel workers
+            # a forked replica inherits the driver's ends of its own pipe and of the ones before it: it closes them
+            drivers_ends = [*self.conns, parent] if self.start_method == "fork" else []
             process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
-                                  args=(child, engine_class, model, options, group, threads))
+                                  args=(child, engine_class, model, options, group, threads, time.time(),
+                                        drivers_ends))
             start_with_devices(process, group)
             child.close()  # so that the replica's death is end-of-file here
             self.conns.append(parent)
             self.processes.append(process)
-        self.names = [f"replica {r} (pid {p.pid}{f', GPUs {g}' if g else ', CPU'})"
+        self.names = [f"replica {r} ({self.start_method}ed pid {p.pid}{f', GPUs {g}' if g else ', CPU'})"
                       for r, (p, g) in enumerate(zip(self.processes, devices))]
 
     def send(self, r: int, items: list) -> None:

@@ -3,7 +3,13 @@ cluster has no GPU), on the cluster named by RAY_ADDRESS, or on a local Ray inst
 
 Every node must hold the model at the same path: actors load it there, the driver sends no weights. Ray is
 imported only here, so it stays an optional extra.
+
+Both directions travel as bytes pickled by the sending end (a refill, a poll's messages): Ray's own serializer
+is slower for these many small objects (docs/data_parallel.md), in the actor beside its engine as in the driver,
+and bytes over 100 KB cross the object store as one buffer.
 """
+import os
+import pickle
 import queue
 import threading
 import time
@@ -11,6 +17,13 @@ import time
 from nanovllm.data_parallel.replica import STOP, serve
 
 POLL_S = 0.5  # an actor answers a poll within this long even with nothing to say
+# a poll that has something keeps gathering this long: each poll is an actor call, whose overhead runs in the
+# replica beside its engine, and an engine finishes requests at nearly every step (a few ms); a result that waits
+# this long costs nothing, since each replica holds a whole max_num_seqs of requests beyond its engine's window
+GATHER_S = 0.02
+# Ray runs its workers at niceness 15 (its own processes keep priority); a replica feeds a GPU and should not
+# queue behind the driver or other work of the host, so a local instance this driver starts gets 0
+NICENESS = "RAY_worker_niceness"
 UNRESPONSIVE_S = 900.0  # a poll not back in this long (never placed, node hung) counts the actor as lost
 JOIN_S = 30.0
 
@@ -18,20 +31,23 @@ JOIN_S = 30.0
 class ReplicaActor:
     """serve() in a thread of the actor; submit() and poll() are the methods the driver calls."""
 
-    def __init__(self, engine_class: type, model: str, options: dict) -> None:
+    def __init__(self, engine_class: type, model: str, options: dict, requested_at: float) -> None:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self._next, self._early, self._lock = 0, {}, threading.Lock()
-        self.thread = threading.Thread(target=self._run, args=(engine_class, model, options), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(engine_class, model, options, requested_at),
+                                       daemon=True)
         self.thread.start()
 
-    def _run(self, engine_class: type, model: str, options: dict) -> None:
+    def _run(self, engine_class: type, model: str, options: dict, requested_at: float) -> None:
         try:
-            serve(lambda: engine_class(model, **options), self.inbox, self.outbox.put)
+            serve(lambda: engine_class(model, **options), self.inbox, self.outbox.put, requested_at)
         except BaseException:  # serve has sent the driver its error
             pass
 
-    def submit(self, seq: int, items: list) -> None:
+    def submit(self, seq: int, data: bytes) -> None:
+        """`data`: the pickled list of items."""
+        items = pickle.loads(data)
         # a threaded actor may run two calls out of order: `seq` puts them back in the driver's order
         with self._lock:
             self._early[seq] = items
@@ -40,16 +56,20 @@ class ReplicaActor:
                     self.inbox.put(item)
                 self._next += 1
 
-    def poll(self, timeout: float) -> list[tuple]:
+    def poll(self, timeout: float) -> bytes:
+        """The pickled list of the messages that are here within `timeout` s (an empty list if none), and of those
+        that come within GATHER_S of the first."""
         try:
             messages = [self.outbox.get(timeout=timeout)]
         except queue.Empty:
-            return []
-        while True:
+            return pickle.dumps([])
+        deadline = time.monotonic() + GATHER_S
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                messages.append(self.outbox.get_nowait())
+                messages.append(self.outbox.get(timeout=left))
             except queue.Empty:
-                return messages
+                break
+        return pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
 
     def join(self, timeout: float) -> None:
         self.thread.join(timeout)
@@ -66,11 +86,13 @@ class RayReplicas:
         self.ray = ray
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            ray.init()  # joins the cluster that RAY_ADDRESS names, else starts a local instance
+            _init_ray(ray)
         try:
             resources = self._resources(replicas, options.get("tensor_parallel_size", 1))
             actor_class = ray.remote(ReplicaActor).options(max_concurrency=2, **resources)
-            self.actors = [actor_class.remote(engine_class, model, options) for _ in range(replicas)]
+            # all at once: Ray places and starts them concurrently, and each starts its engine in a thread of
+            # its own, so that no actor's start-up waits for another's
+            self.actors = [actor_class.remote(engine_class, model, options, time.time()) for _ in range(replicas)]
         except BaseException:
             if self.owns_ray:
                 ray.shutdown()
@@ -99,7 +121,7 @@ class RayReplicas:
         self.polls[self.actors[r].poll.remote(POLL_S)] = r, time.monotonic()
 
     def send(self, r: int, items: list) -> None:
-        self.actors[r].submit.remote(self.seq[r], items)
+        self.actors[r].submit.remote(self.seq[r], pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL))
         self.seq[r] += 1
 
     def receive(self, timeout: float) -> list[tuple[int, tuple]]:
@@ -114,7 +136,7 @@ class RayReplicas:
         for ref in ready:
             r, _ = self.polls.pop(ref)
             try:
-                messages += [(r, m) for m in self.ray.get(ref)]
+                messages += [(r, m) for m in pickle.loads(self.ray.get(ref))]
             except self.ray.exceptions.RayError as error:  # the actor died, or its node
                 self.gone[r] = f"lost: {type(error).__name__}: {str(error).splitlines()[0]}"
                 continue
@@ -152,3 +174,17 @@ class RayReplicas:
         finally:
             if self.owns_ray:
                 self.ray.shutdown()
+
+
+def _init_ray(ray) -> None:
+    """ray.init(): joins the cluster that RAY_ADDRESS names, else starts a local instance, whose workers (the
+    replicas) then run at the driver's own priority rather than Ray's default niceness."""
+    local = not os.environ.get("RAY_ADDRESS")
+    set_here = local and NICENESS not in os.environ
+    if set_here:  # read by the local instance's processes as they start; the driver's environment is restored
+        os.environ[NICENESS] = "0"
+    try:
+        ray.init()
+    finally:
+        if set_here:
+            del os.environ[NICENESS]

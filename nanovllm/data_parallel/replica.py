@@ -2,18 +2,21 @@
 
 The same loop runs in a spawned process (backend "mp") and in a Ray actor (backend "ray"); only the transport
 around it differs. The driver sends lists of items: work (Work), DRAIN (no more work for now: finish what you
-hold) and STOP. The replica's messages are ("ready", its host), ("results", [(index, output or exception), ...])
+hold) and STOP. The replica's messages are ("ready", (its host, its StartupTimes)), ("results", [(index, output or
+exception), ...])
 with whatever finished while the previous message was being sent (sender.py), and ("error", text), sent after
 every result that finished before it and the last message of a replica that goes away. A replica told STOP
 exits only once every result is sent.
 """
 import queue
 import socket
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+from nanovllm.engine.startup import StartupTimes
 from nanovllm.sampling_params import SamplingParams
 
 from .sender import Sender
@@ -27,22 +30,30 @@ class Work(NamedTuple):
     params: SamplingParams
 
 
-def serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None]) -> None:
+def serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None],
+          requested_at: float | None = None) -> None:
     """Load the engine, then run sessions until STOP, sending through `send` from a thread of its own (sender.py).
     A session is one iter_generate over work pulled from the inbox as the engine has room, ended by DRAIN, so
     that work the driver hands out later (a dead peer's requests) starts a new session rather than needing the
-    end of the input to be known in advance."""
+    end of the input to be known in advance. requested_at: when the driver asked for this replica (time.time()),
+    so that its start-up times include getting here (the process's start and imports)."""
     with Sender(send) as sender:  # leaving it sends what is queued: results first, an error last
-        _serve(make_engine, inbox, sender.put)
+        _serve(make_engine, inbox, sender.put, requested_at)
 
 
-def _serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None]) -> None:
+def _serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None],
+           requested_at: float | None) -> None:
+    startup = StartupTimes(time.time() if requested_at is None else requested_at)
+    if requested_at is not None:
+        startup.lap("start and imports")
     try:
         engine = make_engine()
     except BaseException as error:
         _try_send(send, ("error", f"the engine failed to start: {_describe(error)}"))
         raise
-    send(("ready", socket.gethostname()))
+    startup.extend(getattr(engine, "startup", None))  # an engine that times its own start-up (LLM does)
+    startup.set_ready()
+    send(("ready", (socket.gethostname(), startup)))
     with engine:
         while (item := inbox.get()) != STOP:
             if item != DRAIN and not _session(engine, item, inbox, send):

@@ -1,4 +1,6 @@
 """Decode steps replayed as CUDA graphs: one captured graph per batch size, all reading one input buffer."""
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -9,10 +11,11 @@ from nanovllm.utils.context import reset_context, set_context
 class CUDAGraphs:
     """Graphs of the model's decode forward for batch sizes 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (at most
     512). A batch replays the smallest graph that holds it, its rows padded (padding writes no KV and attends to
-    nothing). Graphs read their inputs from `input_buffer` (see model_inputs.decode_views) and write `outputs`."""
+    nothing). Graphs read their inputs from `input_buffer` (see model_inputs.decode_views) and write `outputs`.
+    `lap(phase)` is called as each phase of the capture ends (engine/startup.py)."""
 
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, lap: Callable[[str], None] = lambda phase: None) -> None:
         max_bs = min(max_num_seqs, 512)
         self.width = max_blocks_per_seq
         self.sizes = [bs for bs in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if bs <= max_bs]
@@ -20,7 +23,7 @@ class CUDAGraphs:
         self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self._capture(model)
+        self._capture(model, lap)
 
     def size_for(self, batch: int) -> int | None:
         """The captured graph a decode batch of this size replays, or None: run eagerly."""
@@ -34,7 +37,7 @@ class CUDAGraphs:
         return self.outputs[:batch]
 
     @torch.inference_mode()
-    def _capture(self, model: nn.Module) -> None:
+    def _capture(self, model: nn.Module, lap: Callable[[str], None]) -> None:
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
             graph = torch.cuda.CUDAGraph()
             inputs = decode_views(self.input_buffer, bs, self.width)
@@ -43,6 +46,9 @@ class CUDAGraphs:
             set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
                         block_tables=inputs["block_tables"])
             self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])  # warm up kernels
+            if bs == self.sizes[-1]:  # the first decode forward compiles what the prefill warmup did not
+                torch.cuda.synchronize()
+                lap("decode warmup and compile")
             with torch.cuda.graph(graph, self.pool):
                 self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
             if self.pool is None:
@@ -50,8 +56,10 @@ class CUDAGraphs:
             self.graphs[bs] = graph
             torch.cuda.synchronize()
             reset_context()
+        lap(f"CUDA graph capture ({len(self.sizes)} sizes)")
         # the LM head runs outside the graphs, and cuBLAS loads a kernel the first time it meets a batch size:
         # meet them all now rather than in the first run
         for bs in range(1, self.sizes[-1] + 1):
             model.compute_logits(self.outputs[:bs])
         torch.cuda.synchronize()
+        lap("LM head warmup")

@@ -1,6 +1,7 @@
 import atexit
 import gc
 import itertools
+import logging
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -18,11 +19,14 @@ from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.spawn_guard import check_main_guard
+from nanovllm.engine.startup import StartupTimes, describe_engine
 from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -30,7 +34,9 @@ class LLMEngine:
     in flight."""
 
     def __init__(self, model: str, **options) -> None:
+        self.startup = StartupTimes()  # where start-up goes (engine/startup.py)
         config = checked_config(model, **options)
+        self.startup.lap("config")
         self.config = config
         self.workers = None
         self._exited = True  # until there is something to release
@@ -38,6 +44,7 @@ class LLMEngine:
         make_attention_backend(config.attention_backend, torch.cuda.is_available()).check_block_size(
             config.kvcache_block_size)
         self.tokenizer = load_tokenizer(config.model)
+        self.startup.lap("tokenizer")
         if config.tensor_parallel_size > 1:
             if torch.cuda.is_available() and torch.cuda.device_count() < config.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
@@ -46,10 +53,11 @@ class LLMEngine:
             self.workers = Workers(config)
         try:
             if self.workers is None:
-                self.model_runner = ModelRunner(config)
+                self.model_runner = ModelRunner(config, startup=self.startup)
             else:
                 self.workers.wait_for("started")
-                self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.wait_for)
+                self.startup.lap("tensor-parallel workers")
+                self.model_runner = ModelRunner(config, 0, self.workers.store, self.workers.wait_for, self.startup)
                 self.workers.open_channel()
         except BaseException as error:
             if self.workers is None:
@@ -76,6 +84,8 @@ class LLMEngine:
             # the stream requests without their own seed draw from, restarted once the model is warmed up, so the
             # same script gives the same tokens; n samples still differ
             self.model_runner.sampler.reseed(config.seed)
+        self.startup.set_ready()
+        logger.info("start-up %.1f s: %s", self.startup.total(), self.startup.describe())
 
     def exit(self) -> None:
         """Stop the workers, free the model and KV cache, and remove every shared-memory file. Idempotent."""
@@ -95,6 +105,10 @@ class LLMEngine:
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory
+
+    def describe_startup(self, origin: float | None = None) -> str:
+        """Where start-up went, up to the first request (engine/startup.py); origin: when the process started."""
+        return describe_engine(origin, self.startup)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling defaults the checkpoint's generation_config.json recommends (as vLLM's), else vLLM's."""
@@ -242,6 +256,7 @@ class LLMEngine:
                             yield request[0], request[2]
                         else:
                             index, text, samples = request
+                            self.startup.took_first_request()
                             for seq in samples:
                                 self.scheduler.add(seq)
                             outstanding[index] = text, samples

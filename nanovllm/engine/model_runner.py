@@ -11,6 +11,7 @@ from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
 from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.startup import StartupTimes
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
 from nanovllm.models import model_class
@@ -39,9 +40,11 @@ class ModelRunner:
     Rank 0 samples; tensor-parallel ranks 1..N-1 run the same calls in worker processes (engine/tp_workers.py)."""
 
     def __init__(self, config: Config, rank: int = 0, store: dist.Store | None = None,
-                 reach: Callable[[str], None] = lambda stage: None) -> None:
+                 reach: Callable[[str], None] = lambda stage: None, startup: StartupTimes | None = None) -> None:
         """`reach(stage)` marks the start-up stages of tensor-parallel ranks: workers announce each one and rank 0
-        waits for all of them before the stage's collectives, so a worker that died is an error, not a hang."""
+        waits for all of them before the stage's collectives, so a worker that died is an error, not a hang.
+        `startup` (rank 0's engine) gets a lap per phase."""
+        lap = startup.lap if startup is not None else lambda phase: None
         self.config = config
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
@@ -55,6 +58,8 @@ class ModelRunner:
             threads = cap_cpu_threads(config.tensor_parallel_size)
             logger.info("CPU: %d torch thread(s) (the free cores; OMP_NUM_THREADS sets another number)", threads)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
+        if self.use_cuda:
+            lap("CUDA init")
         self.dtype = config.dtype  # the engine option, resolved by Config ("auto": the checkpoint's)
         self.fp8 = quantization_settings(config.quantization, hf_config)  # None: weights in the model dtype
         default_dtype = torch.get_default_dtype()
@@ -91,6 +96,7 @@ class ModelRunner:
         for layer in self.attention_layers if measure else []:
             layer.kv_amax = torch.zeros(2, device=self.device)
         reach("loaded")
+        lap("model and weights")
         if self.use_cuda or measure:
             self.warmup_model()
         if measure:
@@ -103,12 +109,14 @@ class ModelRunner:
                         "measured at start-up" if measure else "from the checkpoint",
                         *(f(scale[i] for scale in self.kv_scales) for i in (0, 1) for f in (min, max)))
         reach("warmed up")
+        lap("warmup and compile")
         self.allocate_kv_cache()
         reach("allocated")
+        lap("KV cache")
         self.graphs = None
         if self.use_cuda and not config.enforce_eager:
             self.graphs = CUDAGraphs(self.model, self.max_batch, self.inputs.max_blocks_per_seq,
-                                     hf_config.hidden_size, self.dtype, self.device)
+                                     hf_config.hidden_size, self.dtype, self.device, lap)
 
     def exit(self) -> None:
         self.graphs = None

@@ -1,0 +1,202 @@
+"""Start-up of data parallelism on CPU: replicas start concurrently (over processes, forked or spawned, and over
+Ray) and run at the driver's priority, a forked replica leaves with its driver, and the start-up times that
+run-batch reports add up."""
+import glob
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from test_data_parallel import GREEDY, OPTIONS, needs_ray, prompts
+
+from nanovllm.data_parallel import DataParallel, processes
+from nanovllm.engine import startup
+from nanovllm.engine.startup import StartupTimes, describe_engine, describe_replicas
+
+MEETING = "NANOVLLM_TEST_MEETING"  # a folder where MeetingEngine replicas announce themselves
+MEET_S = 120.0  # how long an engine waits for the others to start theirs (a loaded 2-core machine is slow)
+
+
+class MeetingEngine:
+    """An engine whose start-up finishes only once every replica's engine has begun its own: if replicas started
+    one after another (a replica's start-up waiting for the one before it to end), the first would wait alone and
+    fail. Its last start-up phase is named for its process's niceness. Answers each request with its prompt."""
+
+    def __init__(self, model: str, **options) -> None:
+        self.startup = StartupTimes()
+        folder = os.environ[MEETING]
+        open(os.path.join(folder, f"began-{uuid.uuid4().hex}"), "w").close()
+        with open(os.path.join(folder, "replicas")) as f:
+            replicas = int(f.read())
+        deadline = time.monotonic() + MEET_S
+        while len(glob.glob(os.path.join(folder, "began-*"))) < replicas:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"this replica's start-up waited {MEET_S:g} s alone: the other replicas did not "
+                                   f"start theirs meanwhile")
+            time.sleep(0.01)
+        self.startup.lap("meeting")
+        self.startup.lap(f"niceness {os.nice(0)}")
+
+    def __enter__(self) -> "MeetingEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def iter_generate(self, prompts, params, errors="yield"):
+        for index, (prompt, _) in enumerate(zip(prompts, params)):
+            yield index, prompt
+
+
+@pytest.fixture
+def meeting(tmp_path, monkeypatch):
+    """The folder, in the environment that replicas inherit, for `replicas` MeetingEngines."""
+    monkeypatch.setenv(MEETING, str(tmp_path))
+
+    def expect(replicas: int) -> None:
+        (tmp_path / "replicas").write_text(str(replicas))
+    return expect
+
+
+def start_and_answer(meeting, model: str, backend: str, **options) -> DataParallel:
+    meeting(2)
+    with DataParallel(model, 2, backend, engine_class=MeetingEngine, **OPTIONS, **options) as dp:
+        answers = dict(dp.iter_generate(prompts(8), GREEDY))
+    assert answers == dict(enumerate(prompts(8)))  # each answered, once, after both started
+    for held in dp.held:  # each reported its start-up, its engine's laps included, and runs at our priority
+        assert held.startup is not None and held.startup.ready is not None
+        assert [name for name, _ in held.startup.phases][-2:] == ["meeting", f"niceness {os.nice(0)}"]
+    return dp
+
+
+def only_the_main_thread() -> None:
+    """Replicas are forked only from a process that runs no other Python thread: stop the tqdm monitor that an
+    earlier test's progress bar left running (tqdm starts another with its next bar)."""
+    from tqdm._monitor import TMonitor
+
+    for thread in threading.enumerate():
+        if isinstance(thread, TMonitor):
+            thread.exit()  # and joins it
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if others:
+        pytest.skip(f"threads {others} run in this test process: replicas would be spawned, not forked")
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned"])
+def test_process_replicas_start_concurrently(meeting, tiny_model, fork):
+    if fork:
+        only_the_main_thread()
+    dp = start_and_answer(meeting, tiny_model, "mp", fork=fork)
+    assert all(("forked pid" if fork else "spawned pid") in held.name for held in dp.held)
+
+
+@needs_ray
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own
+def test_ray_replicas_start_concurrently(meeting, tiny_model, monkeypatch):
+    """On a local Ray instance that the driver starts (its workers inherit the meeting folder from our
+    environment), whose workers Ray would otherwise run at niceness 15."""
+    import ray
+
+    assert not ray.is_initialized()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    # Ray's workers cannot import this test module: MeetingEngine travels by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        start_and_answer(meeting, tiny_model, "ray")
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    assert not ray.is_initialized()  # the driver stopped the instance it started
+
+
+def test_replicas_are_spawned_where_the_cuda_driver_is_initialised(monkeypatch):
+    """A child forked after cuInit cannot use CUDA: the CUDA driver's own answer decides (cuDeviceGetCount is
+    CUDA_ERROR_NOT_INITIALIZED, 3, until cuInit has run)."""
+    only_the_main_thread()
+
+    class Libcuda:
+        def __init__(self, answer: int) -> None:
+            self.answer = answer
+
+        def cuDeviceGetCount(self, count) -> int:
+            return self.answer
+
+    for answer, method in ((3, "fork"), (0, "spawn"), (100, "spawn")):
+        monkeypatch.setattr(processes.ctypes, "CDLL", lambda name, answer=answer: Libcuda(answer))
+        assert processes.start_method(True) == method, f"cuDeviceGetCount answered {answer}"
+        assert processes.start_method(False) == "spawn"
+
+
+def test_a_forked_replica_leaves_when_its_driver_dies(tiny_model):
+    """A forked replica holds copies of the driver's pipe ends unless it closes them; then a killed driver would
+    leave it waiting forever for work instead of reading end-of-file."""
+    script = ("import sys, time\nfrom nanovllm.data_parallel import DataParallel\n"
+              f"dp = DataParallel({tiny_model!r}, 2, 'mp', fork=True, **{OPTIONS!r})\n"
+              "assert dp.replicas.start_method == 'fork', dp.replicas.start_method\n"
+              "print(*[p.pid for p in dp.replicas.processes], flush=True)\ntime.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(pids) == 2, "the driver did not start its replicas"
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+        deadline = time.monotonic() + 120
+        while alive := [pid for pid in pids if is_running(pid)]:
+            assert time.monotonic() < deadline, f"replicas {alive} outlived their driver by 120 s"
+            time.sleep(0.1)
+    finally:
+        driver.kill()
+        driver.wait()
+        driver.stdout.close()
+
+
+def is_running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, dead and not yet reaped by init, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def times(began: float, laps: list[tuple[str, float]], ready: float | None = None,
+          first: float | None = None) -> StartupTimes:
+    t = StartupTimes(began)
+    t.phases = list(laps)
+    t.mark = began + sum(seconds for _, seconds in laps)
+    t.ready, t.first_request = ready, first
+    return t
+
+
+def test_startup_laps_and_extend(monkeypatch):
+    clock = iter([100.0, 101.5, 104.0, 104.5, 110.0, 110.02])
+    monkeypatch.setattr(startup, "_now", lambda: next(clock))
+    replica = StartupTimes()  # began at 100.0
+    replica.lap("start and imports")  # 101.5
+    engine = StartupTimes()  # began at 104.0: 2.5 s after the replica's lap, listed as "other"
+    engine.lap("weights")  # 104.5
+    engine.set_ready()  # 110.0: 5.5 s after its last lap, more than OTHER_S
+    replica.extend(engine)
+    replica.set_ready()  # 110.02: 0.02 s after the engine's mark, too short to list
+    assert replica.phases == [("start and imports", 1.5), ("other", 2.5), ("weights", 0.5), ("other", 5.5)]
+    assert replica.ready == 110.02 and replica.total() == 10.0
+    assert replica.describe() == "start and imports 1.5 s, other 2.5 s, weights 0.5 s, other 5.5 s"
+
+
+def test_the_startup_lines_run_batch_prints():
+    engine = times(103.0, [("tokenizer", 0.5), ("CUDA graphs", 4.0)], ready=107.5, first=107.75)
+    assert describe_engine(100.0, engine) == ("7.8 s to the first request (process start and imports 3.0 s, "
+                                              "tokenizer 0.5 s, CUDA graphs 4.0 s, first dispatch 0.2 s)")
+    driver = times(102.0, [("config", 0.25), ("replicas launched", 0.25)])
+    replicas = [("replica 0", times(102.5, [("start and imports", 0.5), ("weights", 9.0)], ready=112.0), 102.6),
+                ("replica 1", times(102.5, [("start and imports", 2.0)], ready=104.5), 105.0),
+                ("replica 2", None, None)]
+    assert describe_replicas(100.0, driver, replicas) == (
+        "driver ready at 2.5 s (process start and imports 2.0 s, config 0.2 s, replicas launched 0.2 s); "
+        "replica 0 took its first request at 12.0 s (start and imports 0.5 s, weights 9.0 s, first dispatch 0.0 s); "
+        "replica 1 took its first request at 5.0 s (start and imports 2.0 s, first dispatch 0.5 s); "
+        "replica 2 was never ready")
