@@ -61,7 +61,7 @@ def _plan(rows_ptr, temperatures_ptr, top_p_ptr, scratch_ptr, vocab, ROW: tl.con
     k = _smallest_key(_key(groups, 16), tl.exp2((groups - top) * scale), 0.0, top_p * total * 1.0001,
                       _key(bottom, 16).to(tl.int64), _key(top, 16).to(tl.int64))
     lo = _above(k - 1, 16)
-    low = tl.min(tl.load(parts + 2, mask=scanned, other=float("inf")), axis=0)
+    low = tl.where(running, tl.min(tl.load(parts + 2, mask=scanned, other=float("inf")), axis=0), 0.0)
     t1, t2, t3, t4 = _thresholds(scratch, (vocab + STRIDE - 1) // STRIDE, top, scale, lo, top, 0.0, total,
                                  top_p * total, low, top, 0, NS, MIN_SAMPLE, SHIFT)
     state = scratch + STATE_AT
