@@ -110,17 +110,19 @@ def _scan(logits_ptr, row_stride, rows_ptr, temperatures_ptr, scratch_ptr, vocab
 
 @triton.jit
 def _tally(x, w, t, mass, count):
-    above = x > t
-    return mass + tl.sum(tl.where(above, w, 0.0), axis=1), count + tl.sum(above.to(tl.int32), axis=1)
+    # a 1.0-or-0.0 mask: the mass is then a fused multiply-add, and counts in float32 are exact (a chunk has fewer
+    # than 2**24 logits) and cheaper than integer ones
+    above = tl.where(x > t, 1.0, 0.0)
+    return mass + tl.sum(w * above, axis=1), count + tl.sum(above, axis=1)
 
 
 @triton.jit
 def _count_chunk(logits, vocab, part, start, top, scale, hi, t1, t2, t3, t4, lo, CHUNK: tl.constexpr,
                  TILE_R: tl.constexpr, TILE_C: tl.constexpr, HAS_HI: tl.constexpr, EXTREMES: tl.constexpr):
     """Writes the chunk's record of a count (HAS_HI: count above hi too, else nothing is: hi is the maximum)."""
-    zero, none = tl.zeros([TILE_R], tl.float32), tl.zeros([TILE_R], tl.int32)
+    zero = tl.zeros([TILE_R], tl.float32)
     f_hi, f1, f2, f3, f4, f_lo, f_all = zero, zero, zero, zero, zero, zero, zero
-    c_hi, c1, c2, c3, c4, c_lo = none, none, none, none, none, none
+    c_hi, c1, c2, c3, c4, c_lo = zero, zero, zero, zero, zero, zero
     lowest = tl.full([TILE_R], float("inf"), tl.float32)
     highest = tl.full([TILE_R], float("-inf"), tl.float32)
     for tile_start in range(start, start + CHUNK, TILE_R * TILE_C):
@@ -145,12 +147,12 @@ def _count_chunk(logits, vocab, part, start, top, scale, hi, t1, t2, t3, t4, lo,
     tl.store(part + F_HI + 4, tl.sum(f4, axis=0))
     tl.store(part + F_HI + 5, tl.sum(f_lo, axis=0))
     tl.store(part + F_ALL, tl.sum(f_all, axis=0))
-    tl.store(part + C_HI, tl.sum(c_hi, axis=0).to(tl.float32))
-    tl.store(part + C_HI + 1, tl.sum(c1, axis=0).to(tl.float32))
-    tl.store(part + C_HI + 2, tl.sum(c2, axis=0).to(tl.float32))
-    tl.store(part + C_HI + 3, tl.sum(c3, axis=0).to(tl.float32))
-    tl.store(part + C_HI + 4, tl.sum(c4, axis=0).to(tl.float32))
-    tl.store(part + C_HI + 5, tl.sum(c_lo, axis=0).to(tl.float32))
+    tl.store(part + C_HI, tl.sum(c_hi, axis=0))
+    tl.store(part + C_HI + 1, tl.sum(c1, axis=0))
+    tl.store(part + C_HI + 2, tl.sum(c2, axis=0))
+    tl.store(part + C_HI + 3, tl.sum(c3, axis=0))
+    tl.store(part + C_HI + 4, tl.sum(c4, axis=0))
+    tl.store(part + C_HI + 5, tl.sum(c_lo, axis=0))
     tl.store(part + LOWEST, tl.min(lowest, axis=0))
     tl.store(part + HIGHEST, tl.max(highest, axis=0))
 
