@@ -8,13 +8,13 @@ them one program a row decides:
 
 1. scan: the row's maximum and total mass, a strided sample of its logits, and the largest logit at each position of
    a thread's tile. Those largest logits bound F from below, which on a peaked row puts lo close under the floor.
-   plan: four thresholds inside the bracket where the sample puts F's crossing of top_p, give or take twice the
-   sample's standard error.
+   plan: four thresholds inside the bracket where the sample puts F's crossing of top_p, give or take one and three
+   of the sample's standard errors.
 2. count: F and a count at lo and at the thresholds. decide: the new bracket is the piece where F crosses top_p.
-   Mostly that piece fits CANDIDATES logits; otherwise the same program runs more rounds over the row itself
-   (thresholds from the sample once more, then even splits of the bracket's values and then of its keys, which
-   shrink it fivefold a round and so end the loop), also stopping when the bracket holds one distinct value (the
-   floor: many tied logits need not fit).
+   Mostly that piece fits CANDIDATES logits. Otherwise a second count (thresholds from the sample again), then the
+   deciding program runs rounds over the row itself: even splits of the bracket's values, then of its keys, which
+   shrink it fivefold a round and so end the loop; a bracket holding one distinct value is the floor (many tied
+   logits need not fit).
 3. gather: the bracket's logits to a buffer. finish: bisect their order-preserving integer keys for the smallest
    one whose strictly larger logits, plus F(hi), hold less than top_p -- an actual logit, ties deciding together.
 
