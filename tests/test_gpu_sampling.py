@@ -2,12 +2,15 @@
 
 The distribution test draws many single tokens from one full-vocabulary row and compares the counts with the
 probabilities computed from the same logits in float64 by a plain reference of the definitions (a chi-square
-bound that a wrong floor, temperature or seed handling fails by orders of magnitude)."""
+bound that a wrong floor, temperature or seed handling fails by orders of magnitude; a floor one distinct value off
+fails it where few tokens are kept, see test_the_check_fails_with_a_floor_one_value_off, and
+test_gpu_top_p_floor.py checks the floors themselves)."""
 import numpy as np
 import pytest
 import torch
 from hf_reference import assert_no_leaks
 
+import nanovllm.sampling.floors as sampling_floors
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling.sampler import Sampler
@@ -18,8 +21,16 @@ VOCAB = 151936
 DEVICE = "cuda"
 
 
-def reference_probs(row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
-    """The options' distribution over `row` (float64), straight from their definitions."""
+def reference_probs(row: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float,
+                    seen: list[int] = (), repetition_penalty: float = 1.0) -> np.ndarray:
+    """The options' distribution over `row` (float64), straight from their definitions. `seen`: the tokens the
+    repetition penalty divides (a positive logit) or multiplies, in float32 as the sampler does."""
+    if len(seen):
+        penalised = torch.from_numpy(row).float()
+        ids = torch.tensor(sorted(set(seen)))
+        value = penalised[ids]
+        penalised[ids] = torch.where(value > 0, value / repetition_penalty, value * repetition_penalty)
+        row = penalised.double().numpy()
     scaled = row / temperature
     keep = np.ones(row.size, dtype=bool)
     if top_k > 0:
@@ -40,14 +51,16 @@ def reference_probs(row: np.ndarray, temperature: float, top_k: int, top_p: floa
     return probs / probs.sum()
 
 
-def draw(row: torch.Tensor, params: SamplingParams, draws: int, rows_per_call: int = 2048) -> np.ndarray:
+def draw(row: torch.Tensor, params: SamplingParams, draws: int, rows_per_call: int = 2048,
+         prompt: list[int] = (1,)) -> np.ndarray:
     """Token counts of `draws` samples from `row`; with a seed, every sample is a request of its own seed."""
     sampler = Sampler(device=torch.device(DEVICE))
     logits = row.to(DEVICE).repeat(rows_per_call, 1)
     counts = torch.zeros(row.numel(), dtype=torch.int64, device=DEVICE)
     for call in range(draws // rows_per_call):
         seed = None if params.seed is None else call * rows_per_call
-        seqs = [Sequence([1], SamplingParams(**{**_fields(params), "seed": None if seed is None else seed + i}))
+        seqs = [Sequence(list(prompt), SamplingParams(**{**_fields(params),
+                                                          "seed": None if seed is None else seed + i}))
                 for i in range(rows_per_call)]
         tokens = sampler(logits, sampler.prepare(seqs)).token_ids
         counts += torch.bincount(tokens, minlength=row.numel())
@@ -56,27 +69,32 @@ def draw(row: torch.Tensor, params: SamplingParams, draws: int, rows_per_call: i
 
 def _fields(params: SamplingParams) -> dict:
     return dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                seed=params.seed)
+                seed=params.seed, repetition_penalty=params.repetition_penalty)
 
 
 OPTIONS = [dict(temperature=1.0), dict(temperature=0.6, top_k=20), dict(temperature=0.6, top_k=20, top_p=0.95),
            dict(temperature=1.0, top_k=200, top_p=0.5), dict(temperature=0.8, top_p=0.9),
-           dict(temperature=0.8, min_p=0.2), dict(temperature=1.2, top_k=50, top_p=0.8, min_p=0.1)]
+           dict(temperature=0.8, min_p=0.2), dict(temperature=1.2, top_k=50, top_p=0.8, min_p=0.1),
+           # top-p alone (no top-k bounds its candidates): Llama 3's defaults, and more p with and without
+           # temperature
+           dict(temperature=0.6, top_p=0.9), dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, top_p=0.95),
+           dict(temperature=0.3, top_p=0.8)]
 
 
-SHORT = dict(temperature="T", top_k="k", top_p="p", min_p="m")
+SHORT = dict(temperature="T", top_k="k", top_p="p", min_p="m", repetition_penalty="r")
+DRAWS = 64 * 2048
 
 
-@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{SHORT[k]}{v}" for k, v in o.items()))
-def test_sampled_distribution_is_the_options_distribution(options, seeded):
+def the_row(ties: bool = False) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
-    row = (torch.randn(VOCAB, generator=gen) * 2.5).to(torch.bfloat16)  # what the LM head hands over
-    params = SamplingParams(**options, seed=0 if seeded else None)
-    draws = 64 * 2048
-    counts = draw(row, params, draws)
-    probs = reference_probs(row.double().numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
-    assert counts[probs == 0].sum() == 0, "drew a token the options exclude"
+    row = torch.randn(VOCAB, generator=gen) * 2.5
+    if ties:  # a few dozen distinct values, each held by hundreds to thousands of tokens
+        row = torch.round(row * 2) / 2
+    return row.to(torch.bfloat16)  # what the LM head hands over
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray, draws: int) -> tuple[int, float, int]:
+    """(draws of tokens the options exclude, chi2, degrees of freedom) of `counts` against `probs`."""
     expected = probs * draws
     big = expected >= 5
     observed_bins = np.append(counts[big], counts[~big].sum())
@@ -84,10 +102,86 @@ def test_sampled_distribution_is_the_options_distribution(options, seeded):
     if expected_bins[-1] < 5:  # too few to be a bin of its own: merge into the smallest
         observed_bins, expected_bins = observed_bins[:-1], expected_bins[:-1]
     chi2 = float(((observed_bins - expected_bins) ** 2 / expected_bins).sum())
-    dof = len(expected_bins) - 1
-    print(f"\n{options} seeded={seeded}: {int((probs > 0).sum())} tokens kept, chi2 {chi2:.1f} over {dof} dof")
+    return int(counts[probs == 0].sum()), chi2, len(expected_bins) - 1
+
+
+def chi2_bound(dof: int) -> float:
+    return dof + 6 * (2 * dof) ** 0.5 + 10  # about 6 standard deviations
+
+
+def assert_follows(counts: np.ndarray, probs: np.ndarray, label: str) -> None:
+    excluded, chi2, dof = chi_square(counts, probs, DRAWS)
+    print(f"\n{label}: {int((probs > 0).sum())} tokens kept, chi2 {chi2:.1f} over {dof} dof")
+    assert excluded == 0, "drew a token the options exclude"
     assert dof >= 1
-    assert chi2 < dof + 6 * (2 * dof) ** 0.5 + 10, (chi2, dof)  # about 6 standard deviations
+    assert chi2 < chi2_bound(dof), (chi2, dof)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{SHORT[k]}{v}" for k, v in o.items()))
+def test_sampled_distribution_is_the_options_distribution(options, seeded):
+    row = the_row()
+    params = SamplingParams(**options, seed=0 if seeded else None)
+    counts = draw(row, params, DRAWS)
+    probs = reference_probs(row.double().numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
+    assert_follows(counts, probs, f"{options} seeded={seeded}")
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0, top_p=0.9), dict(temperature=0.6, top_p=0.5),
+                                     dict(temperature=0.6, top_k=20, top_p=0.95)],
+                         ids=lambda o: "-".join(f"{SHORT[k]}{v}" for k, v in o.items()))
+def test_ties_at_the_edge_are_kept_or_dropped_together(options):
+    row = the_row(ties=True)
+    params = SamplingParams(**options)
+    counts = draw(row, params, DRAWS)
+    probs = reference_probs(row.double().numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
+    assert_follows(counts, probs, f"{options} on a row of ties")
+
+
+# Qwen2.5's defaults; top-p alone with the penalty (float32 logits through the search); a penalty strong enough
+# to reorder the top tokens
+PENALISED = [dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+             dict(temperature=0.6, top_p=0.9, repetition_penalty=1.05),
+             dict(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.5)]
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+@pytest.mark.parametrize("options", PENALISED, ids=lambda o: "-".join(f"{SHORT[k]}{v}" for k, v in o.items()))
+def test_penalised_distribution_is_the_options_distribution(options, seeded):
+    row = the_row()
+    # the prompt holds 30 of the 40 most likely tokens (and 30 others), so the penalty changes who is kept
+    gen = torch.Generator().manual_seed(7)
+    top = row.float().topk(40).indices[torch.randperm(40, generator=gen)[:30]]
+    prompt = top.tolist() + torch.randint(0, VOCAB, (30,), generator=gen).tolist()
+    params = SamplingParams(**options, seed=0 if seeded else None)
+    counts = draw(row, params, DRAWS, prompt=prompt)
+    probs = reference_probs(row.double().numpy(), params.temperature, params.top_k, params.top_p, params.min_p,
+                            prompt, params.repetition_penalty)
+    assert_follows(counts, probs, f"{options} seeded={seeded}")
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_the_check_fails_with_a_floor_one_value_off(monkeypatch, direction):
+    """top-p's floor moved to the next distinct logit above (one value fewer kept) or below (one more): the
+    distribution check above must fail (here with few tokens kept, where it can tell)."""
+    search = sampling_floors.top_p_floors
+
+    def one_value_off(logits, rows, temperatures, top_p, floors, **sizes):
+        scratch = search(logits, rows, temperatures, top_p, floors, **sizes)
+        x, floor = logits.index_select(0, rows).float(), floors.index_select(0, rows).unsqueeze(1)
+        moved = (torch.where(x > floor, x, float("inf")).amin(dim=1) if direction == "up"
+                 else torch.where(x < floor, x, float("-inf")).amax(dim=1))
+        floors.index_copy_(0, rows, moved)
+        return scratch
+
+    monkeypatch.setattr(sampling_floors, "top_p_floors", one_value_off)
+    row = the_row()
+    params = SamplingParams(temperature=0.6, top_p=0.9)
+    counts = draw(row, params, DRAWS)
+    probs = reference_probs(row.double().numpy(), params.temperature, params.top_k, params.top_p, params.min_p)
+    excluded, chi2, dof = chi_square(counts, probs, DRAWS)
+    print(f"\nfloor one value {direction}: {excluded} excluded draws, chi2 {chi2:.1f} (bound {chi2_bound(dof):.1f})")
+    assert excluded > 0 or chi2 >= chi2_bound(dof)
 
 
 def test_seeded_row_draws_the_same_token_in_any_batch():

@@ -24,6 +24,8 @@ from nanovllm.sampling.gumbel_max import _gumbel_max
 from nanovllm.sampling.floors import _chunk_maxima, _floors, _recount
 from nanovllm.attention.paged_decode import _decode_attention
 from nanovllm.attention.qk_norm_rope import _qk_norm_rope_kernel
+from nanovllm.sampling.top_p_floor import ScratchLayout, _decide, _finish, _plan
+from nanovllm.sampling.top_p_passes import _count, _gather, _scan
 
 # argument types by name (other names are i32); constexprs as the engine passes them for Qwen3-0.6B
 POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -31,11 +33,17 @@ POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr":
             "temperatures_ptr": "*fp32", "part_score_ptr": "*fp32", "part_index_ptr": "*i32", "weights_ptr": "*fp32",
             "sorted_pairs_ptr": "*i32", "tile_experts_ptr": "*i32", "floors_ptr": "*fp32", "row_seeds_ptr": "*i64",
             "values_ptr": "*fp32", "counts_ptr": "*i32", "recount_ptr": "*i32", "top_k_ptr": "*i64",
-            "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "blocks_ptr": "*i64"}
+            "top_p_ptr": "*fp32", "min_p_ptr": "*fp32", "blocks_ptr": "*i64", "rows_ptr": "*i64",
+            "scratch_ptr": "*fp32"}
 # an FP8 KV cache: float8 e4m3 rows (its per-layer scales are float arguments)
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
 DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)
 NORM_ROPE = dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64)
+# top-p's floor over Qwen3's 151,936 bf16 logits, as top_p_floors launches it
+TOP_P = ScratchLayout(4096, 8192, 256)
+TILES = dict(ROW=TOP_P.row, CHUNK=6144, TILE_R=256, TILE_C=8)
+AT = dict(STATE_AT=TOP_P.state_at, PART_AT=TOP_P.part_at)
+SEARCH = dict(NS=4096, STRIDE=40, MAX_CHUNKS=32, MIN_SAMPLE=16, SHIFT=16)
 KERNELS = [
     (_qk_norm_rope_kernel, dict(NORM_ROPE, STORE_KV=True, FP8_KV=False, NORM=True), {}),
     (_qk_norm_rope_kernel, dict(NORM_ROPE, STORE_KV=False, FP8_KV=False, NORM=True), {}),
@@ -51,6 +59,14 @@ KERNELS = [
     (_recount, dict(BLOCK=4096), {}),
     *((_floors, dict(KP=32, HAS_TOP_K=k, HAS_TOP_P=p, HAS_MIN_P=m), {})
       for k, p, m in ((True, True, True), (True, False, False), (False, False, True))),
+    (_scan, dict(TILES, PART_AT=TOP_P.part_at, GROUPS_AT=TOP_P.groups_at, STRIDE=40), {}),
+    (_plan, dict(AT, **SEARCH, ROW=TOP_P.row, CHUNK=6144, TILE_R=256, GROUPS_AT=TOP_P.groups_at), {}),
+    *((_count, dict(TILES, **AT, HAS_HI=has_hi), {}) for has_hi in (False, True)),
+    *((_decide, dict(TILES, **AT, **SEARCH, C=8192, FIRST=first, LAST=not first, MAX_ROUNDS=64), {})
+      for first in (True, False)),
+    (_gather, dict(TILES, **AT, CANDIDATES_AT=4096), {}),
+    *((_finish, dict(ROW=TOP_P.row, CANDIDATES_AT=4096, STATE_AT=TOP_P.state_at, C=8192, SHIFT=shift), {})
+      for shift in (16, 0)),  # float32 logits (after penalties) bisect 32-bit keys
     (_store_kvcache_kernel, dict(D=1024, BLOCK_D=1024), {}),
     (_store_kvcache_fp8_kernel, dict(D=1024, BLOCK_D=1024), FP8),
     (_dequantize_blocks_kernel, dict(BLOCK_ELEMENTS=262144, CHUNK=4096), FP8),

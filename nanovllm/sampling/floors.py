@@ -11,11 +11,14 @@ this order, each to what the one before left (vLLM's order):
 
 A row with top-k needs only its k largest logits, and those lie in the k chunks of the row with the largest maxima:
 so the GPU finds them among k * 128 logits (`largest_logits`), not among the whole vocabulary. A row with top-p and
-no top-k has no such bound: its floor comes from a sort of its whole row, the one exact path that costs a sort.
+no top-k has no such bound: on the GPU its floor comes from a search over the whole row's probability mass that does
+not sort it (sampling/top_p_floor.py); the torch path, and `top_p_by_sort`, sort the row.
 """
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.sampling.top_p_floor import top_p_floors
 
 CHUNK = 128  # logits per chunk when the k largest are looked for chunk-wise
 
@@ -131,16 +134,23 @@ def _top_p_floor(values: torch.Tensor, scaled: torch.Tensor, top_p: torch.Tensor
 
 def logit_floors(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
                  top_p: torch.Tensor | None, min_p: torch.Tensor | None, candidates: int,
-                 unbounded_top_p: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+                 unbounded_top_p: torch.Tensor | None = None, fused: bool | None = None,
+                 top_p_by_sort: bool = False) -> torch.Tensor:
     """Per row, the smallest logit the filters keep (float32, -inf where no filter applies).
 
     top_k: int64, 0 = off; top_p: float32, 1 = off; min_p: float32, 0 = off (None: off for every row).
     candidates: the largest top_k of the batch (1 when none: min-p needs only the maximum).
     unbounded_top_p: int64 indices of the rows with top-p and no top-k.
-    fused: the chunk-wise candidates and one Triton kernel for the arithmetic (default: on a GPU), or torch ops."""
+    fused: the chunk-wise candidates and one Triton kernel for the arithmetic, and top_p_floors for the unbounded
+    rows (default: on a GPU), or torch ops; top_p_by_sort: sort the unbounded rows even when fused (for A/B runs)."""
     rows, vocab = logits.shape
+    fused = logits.is_cuda if fused is None else fused
+    if top_k is None and min_p is None:  # top-p alone: only the unbounded rows get a floor
+        floors = torch.full((rows,), float("-inf"), device=logits.device)
+        _raise_by_top_p(logits, temperatures, top_p, floors, unbounded_top_p, fused and not top_p_by_sort)
+        return floors
     num_candidates = max(1, min(candidates, vocab))
-    largest = LargestLogits(logits, num_candidates, chunked=logits.is_cuda if fused is None else fused)
+    largest = LargestLogits(logits, num_candidates, chunked=fused)
     values = largest.values
     tempered = temperatures.clamp_min(1e-5).unsqueeze(1)
     if top_k is not None:
@@ -148,7 +158,7 @@ def logit_floors(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
         kth = values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
         # tokens tied with the k-th but past it in the candidates' order are kept by top-k: their mass counts
         at_least_kth = largest.count_at_least(kth) if top_p is not None else None
-    if logits.is_cuda if fused is None else fused:
+    if fused:
         floors = torch.empty(rows, dtype=torch.float32, device=logits.device)
         _floors[(rows,)](values, at_least_kth if top_k is not None and top_p is not None else floors, temperatures,
                          temperatures if top_k is None else top_k, temperatures if top_p is None else top_p,
@@ -170,10 +180,20 @@ def logit_floors(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.
             floors = torch.maximum(floors, values[:, 0] + tempered.squeeze(1) * min_p.log())
         # greedy rows take the argmax, which every floor keeps; a floor there could only be a NaN from T = 0
         floors = torch.where(temperatures > 0, floors, float("-inf"))
-    if unbounded_top_p is not None and unbounded_top_p.numel():
-        whole = logits.index_select(0, unbounded_top_p).float().sort(dim=-1, descending=True).values
-        sub_floors = _top_p_floor(whole, whole / tempered.index_select(0, unbounded_top_p),
-                                  top_p.index_select(0, unbounded_top_p))
-        floors = floors.index_copy(0, unbounded_top_p,
-                                   torch.maximum(floors.index_select(0, unbounded_top_p), sub_floors))
+    _raise_by_top_p(logits, temperatures, top_p, floors, unbounded_top_p, fused and not top_p_by_sort)
     return floors
+
+
+def _raise_by_top_p(logits: torch.Tensor, temperatures: torch.Tensor, top_p: torch.Tensor | None,
+                    floors: torch.Tensor, unbounded_top_p: torch.Tensor | None, search: bool) -> None:
+    """Raise the floors of the rows with top-p and no top-k to top-p's, in place: by the GPU's search, or by a sort
+    of each such row (the reference)."""
+    if unbounded_top_p is None or not unbounded_top_p.numel():
+        return
+    if search:
+        top_p_floors(logits, unbounded_top_p, temperatures, top_p, floors)
+        return
+    whole = logits.index_select(0, unbounded_top_p).float().sort(dim=-1, descending=True).values
+    sub_floors = _top_p_floor(whole, whole / temperatures.index_select(0, unbounded_top_p).clamp_min(1e-5).unsqueeze(1),
+                              top_p.index_select(0, unbounded_top_p))
+    floors.index_copy_(0, unbounded_top_p, torch.maximum(floors.index_select(0, unbounded_top_p), sub_floors))

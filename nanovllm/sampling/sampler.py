@@ -25,7 +25,7 @@ class SamplingTensors:
     top_p: torch.Tensor | None = None  # 1 = off
     min_p: torch.Tensor | None = None  # 0 = off
     candidates: int = 1  # the largest top_k: how many of each row's largest logits the filters read
-    unbounded_top_p: torch.Tensor | None = None  # rows with top-p and no top-k (their floor needs a sort)
+    unbounded_top_p: torch.Tensor | None = None  # rows with top-p and no top-k (their floor needs the whole row)
     row_seeds: torch.Tensor | None = None  # int64 per row: its own stream's key at this step, -1 = the step's
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) masked out (min_tokens)
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
@@ -109,6 +109,7 @@ class Sampler(nn.Module):
         self.device = device
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
         self.penalty_histories = PenaltyHistories(device)
+        self.top_p_by_sort = False  # top-p without top-k by a sort of the row, not the GPU's search (A/B runs)
 
     def reseed(self, seed: int | None) -> None:
         """Restart the stream: from `seed`, or from fresh entropy when None."""
@@ -168,7 +169,7 @@ class Sampler(nn.Module):
         floors = None
         if params.filtered:
             floors = logit_floors(logits, params.temperatures, params.top_k, params.top_p, params.min_p,
-                                  params.candidates, params.unbounded_top_p)
+                                  params.candidates, params.unbounded_top_p, top_p_by_sort=self.top_p_by_sort)
         tokens = self._draw(logits, params.temperatures, floors, params.row_seeds)
         logprobs = None
         if params.num_logprobs is not None:
