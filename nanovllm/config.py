@@ -68,8 +68,8 @@ class Config:
         check_kv_cache_dtype(self.kv_cache_dtype)
         dtype = check_dtype(self.dtype)  # None for "auto": the checkpoint's, known once its config is read
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' (or None) "
-                             f"on the GPU: flash-attn's paged decode cannot read an FP8 cache")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' or "
+                             f"'flashinfer' (or None) on the GPU: flash-attn's paged decode cannot read an FP8 cache")
         check_no_remote_code(self.model)  # before transformers, which would ask to run the checkpoint's code
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.dtype = dtype or model_dtype(self.hf_config)
