@@ -10,8 +10,9 @@ from nanovllm.utils.random_checkpoint import SHAPE_NAMES, default_checkpoint
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default=None, metavar="PATH",
-                        help="local checkpoint directory (default: a random-weight checkpoint of --shape)")
+    parser.add_argument("--model", default=None, metavar="PATH_OR_ID",
+                        help="a local checkpoint folder or a Hugging Face hub id (default: a random-weight "
+                             "checkpoint of --shape)")
     parser.add_argument("--shape", default="Qwen3-0.6B", choices=SHAPE_NAMES, metavar="SHAPE",
                         help=f"shape of the random-weight checkpoint when --model is unset, one of: "
                              f"{', '.join(SHAPE_NAMES)} (default: Qwen3-0.6B)")
@@ -20,15 +21,11 @@ def main() -> None:
 
     with LLM(path, max_model_len=1024, max_num_seqs=16) as llm:
         params = SamplingParams(temperature=0.6, max_tokens=32)
-        prompts = ["introduce yourself", "list all prime numbers within 100"]
-        prompts = [
-            llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True)
-            for p in prompts
-        ]
-        for prompt, output in zip(prompts, llm.generate(prompts, params)):
+        questions = ["introduce yourself", "list all prime numbers within 100"]
+        conversations = [[{"role": "user", "content": question}] for question in questions]
+        for output in llm.chat(conversations, params):  # the checkpoint's chat template, as vLLM's LLM.chat
             completion = output.outputs[0]
-            print(f"\nPrompt: {prompt!r}\nCompletion: {completion.text!r} ({completion.finish_reason})")
+            print(f"\nPrompt: {output.prompt!r}\nCompletion: {completion.text!r} ({completion.finish_reason})")
 
 
 if __name__ == "__main__":

@@ -132,9 +132,9 @@ import sys, time, torch
 from torch import nn
 from nanovllm.attention import KVCacheLayout
 from nanovllm.attention.flashinfer_backend import FlashInferBackend
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_flashinfer import prepare_flashinfer_gemm
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_flashinfer import prepare_flashinfer_gemm
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 # the modules the A/B parts use: Qwen3-0.6B (16 query heads on 8 KV heads) with an FP8 and a bf16 cache, and the 8B
 # models (32 on 8) with an FP8 cache
 for dtype, heads in ((torch.float8_e4m3fn, 16), (torch.bfloat16, 16), (torch.float8_e4m3fn, 32)):

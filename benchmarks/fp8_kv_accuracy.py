@@ -1,5 +1,5 @@
 """Accuracy of FP8 KV scale granularities on CPU: one scale per layer as the engine measures it (the layer's
-largest |key| maps to 200, |value| to 100: attention/kv_scales.py), one per row (token x KV head, an earlier
+largest |key| maps to 200, |value| to 100: quantization/kv_scales.py), one per row (token x KV head, an earlier
 design of the engine), and 1.0 (vLLM's default for a checkpoint without scales). Reports the relative RMS error
 of the dequantised K and V and of the attention output, the share of values that clamp, and non-finite counts,
 on two sources of K/V:
@@ -12,8 +12,8 @@ on two sources of K/V:
 import torch
 import torch.nn.functional as F
 
-from nanovllm.attention.kv_quant import FP8, FP8_MAX, dequantize, quantize
-from nanovllm.attention.kv_scales import MEASURED_KEY_TARGET
+from nanovllm.quantization.kv_quant import FP8, FP8_MAX, dequantize, quantize
+from nanovllm.quantization.kv_scales import MEASURED_KEY_TARGET
 
 
 def per_row(x: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ import itertools
 import torch
 from cuda_timing import graph_time_us
 
-from nanovllm.attention.kv_quant import quantize
 from nanovllm.attention.paged_decode import TUNED, paged_decode_attention
+from nanovllm.quantization.kv_quant import quantize
 
 
 def main() -> None:

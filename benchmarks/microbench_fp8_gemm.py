@@ -3,7 +3,7 @@ block-wise FP8 (when installed, on Hopper), per number of rows, with each FP8 ke
 
     python benchmarks/microbench_fp8_gemm.py [--shape Qwen3-8B,Llama-3.1-8B] [--rows 1,16,64,256,8192] [--out DIR]
 
-Each FP8 mode is timed with the activation quantization the engine runs before it (nanovllm/layers/fp8_linear.py,
+Each FP8 mode is timed with the activation quantization the engine runs before it (nanovllm/quantization/fp8_linear.py,
 "+quant") and without it (the matmul alone, on the engine's own padded input); row-wise also with Hopper's fast
 accumulation ("fast"). Speed-ups are against bf16 F.linear at the same rows. Weights rotate through enough copies
 to overflow L2, as in a forward pass where the other layers' weights pass between two uses of the same matrix;
@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from cuda_timing import graph_time_us
 
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_flashinfer import flashinfer_block_mm, flashinfer_fits
-from nanovllm.layers.fp8_fused import Fp8Input
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_flashinfer import flashinfer_block_mm, flashinfer_fits
+from nanovllm.quantization.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 from nanovllm.utils.random_checkpoint import SHAPES
 
 ROWS = "1,2,4,8,16,24,31,32,48,64,96,128,192,256,384,512,1024,2048,4096,8192"
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the tables and JSON")
     parser.add_argument("--producers", action="store_true",
                         help="time RMSNorm and SiLU-and-mul writing the quantized input against the op, then the "
-                             "quantization kernel (layers/fp8_fused.py)")
+                             "quantization kernel (quantization/fp8_fused.py)")
     args = parser.parse_args()
     device = torch.device("cuda")
     fp8.SCALED_MM_ON_GPU = True  # the kernels themselves, whether or not the engine uses them yet
@@ -207,7 +207,7 @@ def routing(results: dict, lines: list[str]) -> None:
             cells.append(f"{us['block']:.1f} / {us['fi']:.1f}{'' if accurate else ' (inaccurate)'}")
         winners.append((rows, "flashinfer" if wins else "cublas"))
         emit(lines, f"| {rows} | " + " | ".join(cells) + f" | {winners[-1][1]} |")
-    emit(lines, f"\nsuggested for nanovllm/layers/fp8_routes.py: MEASURED_ROUTES = {suggest_routes(winners)!r}")
+    emit(lines, f"\nsuggested for nanovllm/quantization/fp8_routes.py: MEASURED_ROUTES = {suggest_routes(winners)!r}")
 
 
 def suggest_routes(winners: list[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
@@ -224,8 +224,8 @@ def producers(args: argparse.Namespace, g: torch.Generator, device: torch.device
     """The ops before the block-scaled matmuls, per row count: unfused (the op, then the quantization kernel)
     against fused, in us."""
     from nanovllm.layers.activation import silu_and_mul
-    from nanovllm.layers.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
     from nanovllm.layers.layernorm import add_rms_norm
+    from nanovllm.quantization.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
 
     c = SHAPES[args.shape.split(",")[0]]
     hidden, inter = c["hidden_size"], c["intermediate_size"]

@@ -11,8 +11,8 @@ import time
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler
-from nanovllm.layers.sampling_floors import LargestLogits
+from nanovllm.sampling.floors import LargestLogits
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 151936

@@ -1,6 +1,6 @@
 """`python -m nanovllm run-batch ...`: the same command line as the `nanovllm` console script."""
 import sys
 
-from nanovllm.run_batch import main
+from nanovllm.cli import main
 
 sys.exit(main())

@@ -3,6 +3,7 @@
 A body field that would change the result and that is not supported is an error for its line, never ignored.
 """
 from nanovllm.batch_io import LineError
+from nanovllm.engine.chat import normalize_message
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -69,7 +70,7 @@ def prompt_of(body: dict, url: str, llm: LLM) -> tuple[str | None, list[int]]:
         if kwargs is not None and not isinstance(kwargs, dict):
             raise LineError("invalid_request", "chat_template_kwargs must be an object")
         try:
-            text = llm.chat_prompt([_message(m) for m in messages], kwargs)
+            text = llm.chat_prompt([_message(m, i) for i, m in enumerate(messages)], kwargs)
         except LineError:
             raise
         except Exception as error:  # the template is user code: anything it raises is this line's error
@@ -82,17 +83,10 @@ def prompt_of(body: dict, url: str, llm: LLM) -> tuple[str | None, list[int]]:
             from None
 
 
-def _message(message: dict) -> dict:
-    extra = sorted(set(message) - {"role", "content", "name"})
-    if extra:
-        raise LineError("unsupported_parameter", f"message fields {extra} are not supported")
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: text only
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise LineError("unsupported_parameter", "only text content parts are supported")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(message.get("role"), str) or not isinstance(content, str):
-        raise LineError("invalid_request", "each message needs a string role and string (or text parts) content")
-    # name stays: a template may render it
-    return {"role": message["role"], "content": content, **({"name": message["name"]} if "name" in message else {})}
+def _message(message: dict, index: int) -> dict:
+    """The chat path's own check (engine/chat.py), its errors as this line's."""
+    try:
+        return normalize_message(message, f"message {index}")
+    except (TypeError, ValueError) as error:
+        code = "unsupported_parameter" if "not supported" in str(error) else "invalid_request"
+        raise LineError(code, str(error)) from None

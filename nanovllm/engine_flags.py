@@ -6,15 +6,20 @@ Every flag defaults to argparse.SUPPRESS, so only the flags given reach LLM() an
 import argparse
 from dataclasses import fields
 
-from nanovllm.attention import BACKEND_NAMES
-from nanovllm.attention.kv_quant import KV_CACHE_DTYPES
-from nanovllm.config import Config
-from nanovllm.utils.fp8_checkpoint import SUPPORTED_QUANTIZATION
+from nanovllm.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_MAX_MODEL_LEN,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATION_METHODS,
+    Config,
+)
 
 # engine option -> (type, help); "{default}" is filled in from Config, so a help text cannot drift from the default
 ENGINE_FLAGS: dict[str, tuple[type, str]] = {
-    "max_model_len": (int, "context length in tokens, prompt and output together (default: {default}, capped by "
-                           "the model's max_position_embeddings)"),
+    "max_model_len": (int, f"context length in tokens, prompt and output together; at most the model's "
+                           f"max_position_embeddings (default: {DEFAULT_MAX_MODEL_LEN}, or the model's limit when "
+                           f"lower)"),
     "max_num_seqs": (int, "the most requests running at once, one decode token each per step (default: {default})"),
     "max_num_batched_tokens": (int, "the most prompt tokens one step prefills; longer prompts are prefilled in "
                                     "chunks (default: {default})"),
@@ -28,13 +33,17 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "attention_backend": (str, "how attention reads the KV cache (default: the fastest for the device: triton "
                                "on CUDA, torch on CPU; flashinfer needs the flashinfer extra)"),
     "max_logprobs": (int, "the most logprobs a request may ask for (default: {default})"),
-    "kv_cache_dtype": (str, "auto: the model's dtype; fp8 (= fp8_e4m3): K and V in float8 e4m3 with a scale per "
-                            "row, about twice the blocks (default: {default})"),
+    "kv_cache_dtype": (str, "auto: the model's dtype; fp8 (= fp8_e4m3): K and V in float8 e4m3 with one scale "
+                            "per layer for each, about twice the blocks (default: {default})"),
     "quantization": (str, "fp8: quantize a bf16 checkpoint's linear weights to FP8 at load; an FP8 checkpoint "
                           "is FP8 without it (default: none)"),
+    "dtype": (str, "the dtype weights and activations run in: auto (the checkpoint's torch_dtype), bfloat16, "
+                   "float16 or float32 (default: {default})"),
+    "seed": (int, "seeds the engine's random stream, which requests without a seed of their own draw from "
+                  "(default: a fresh one each run)"),
 }
-FLAG_CHOICES = {"attention_backend": BACKEND_NAMES, "kv_cache_dtype": KV_CACHE_DTYPES,
-                "quantization": SUPPORTED_QUANTIZATION}
+FLAG_CHOICES = {"attention_backend": ATTENTION_BACKENDS, "kv_cache_dtype": KV_CACHE_DTYPES,
+                "quantization": QUANTIZATION_METHODS, "dtype": DTYPES}
 METAVARS = {int: "N", float: "FRACTION"}
 
 

@@ -1,17 +1,4 @@
-"""`nanovllm run-batch -i IN.jsonl -o OUT.jsonl --model PATH`: OpenAI batch-format requests through the engine.
-
-Each input line is {"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body"}.
-Lines are read lazily and streamed into LLM.iter_generate, and each result line is written and flushed the moment
-its request finishes, so memory holds the custom_ids and the requests in flight, never the file.
-
-A bad line (not JSON, no custom_id, an unknown url, an unsupported or invalid field, a prompt too long for the
-model) gets an error record and the run goes on. A body field that would change the result and that is not
-supported is an error for its line, never silently ignored.
-
-Resumable: run the same command again and it answers only the custom_ids missing from the output file (success
-and error records both count as answered), so in the end each appears exactly once, also after a SIGKILL in the
-middle of a write: see nanovllm.batch_io for the guarantee.
-"""
+"""The run-batch command's work: OpenAI batch-format requests through the engine (the command line is in cli.py)."""
 import argparse
 import os
 import sys
@@ -23,9 +10,10 @@ from dataclasses import dataclass
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
-from nanovllm.data_parallel import BACKENDS, DataParallel, ReplicasLost
+from nanovllm.cli import build_parser, main  # noqa: F401  (run_batch.main and build_parser, as before)
+from nanovllm.data_parallel import DataParallel, ReplicasLost
 from nanovllm.engine.progress import ProgressBar, TokenCounter
-from nanovllm.engine_flags import add_engine_flags, engine_options
+from nanovllm.engine_flags import engine_options
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -48,27 +36,6 @@ class Stats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     per_replica: list[int] | None = None  # data parallel: requests each replica answered
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanovllm", description="nano-vllm command line")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    run = commands.add_parser("run-batch", help="run an OpenAI batch-format JSONL file of requests",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("-i", "--input-file", required=True, metavar="IN.jsonl",
-                     help="requests in OpenAI's batch format, one JSON object per line")
-    run.add_argument("-o", "--output-file", required=True, metavar="OUT.jsonl",
-                     help="results, one line per request; appended to, and resumed from, if it exists; must not be "
-                          "the input file")
-    run.add_argument("--model", required=True, metavar="PATH", help="local checkpoint directory (Hugging Face layout)")
-    add_engine_flags(run)
-    run.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
-                     help="engine replicas, each on its own --tensor-parallel-size GPUs (on CPU: processes) "
-                          "(default: 1)")
-    run.add_argument("--data-parallel-backend", "-dpb", choices=BACKENDS, default="mp",
-                     help="mp: processes of this host; ray: Ray actors on the cluster RAY_ADDRESS names "
-                          "(default: mp)")
-    return parser
 
 
 class RequestSource:
@@ -243,10 +210,6 @@ def _say(message: str) -> None:
 def _fail(message: str, code: int = 1) -> int:
     _say(message)
     return code
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, request, write_
 from nanovllm import LLM, SamplingParams, run_batch
 from nanovllm.data_parallel import DataParallel, iter_generate
 
+pytestmark = pytest.mark.slow  # processes and actors: seconds each
+
 OPTIONS = {"num_kvcache_blocks": 32, "max_model_len": 512, "max_num_seqs": 2}  # credit: 6 requests per replica
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -187,7 +189,7 @@ def test_importing_the_package_asks_cuda_nothing():
     probe = ("import torch\nasked = []\nreal = torch.cuda.is_available\n"
              "torch.cuda.is_available = lambda: asked.append(1) or real()\n"
              "import nanovllm, nanovllm.run_batch, nanovllm.data_parallel, nanovllm.layers.layernorm\n"
-             "import nanovllm.layers.rotary_embedding, nanovllm.layers.fp8_linear\n"
+             "import nanovllm.layers.rotary_embedding, nanovllm.quantization.fp8_linear\n"
              "assert not asked, 'importing nanovllm asked torch.cuda.is_available()'\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

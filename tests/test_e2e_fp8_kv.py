@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.kv_quant import FP8
+from nanovllm.quantization.kv_quant import FP8
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
@@ -49,6 +49,7 @@ def record_prefix_reads(backend) -> list[bool]:
     return over_cache
 
 
+@pytest.mark.slow
 def test_fp8_greedy_close_to_float32_through_preemption_chunks_and_prefix_hits(tiny_model, hf_model):
     prefix = random_prompts([100], seed=2)[0]
     mixed = random_prompts(torch.randint(5, 300, (16,), generator=torch.Generator().manual_seed(0)).tolist(), 1)
@@ -133,6 +134,7 @@ def test_checkpoint_with_kv_scales_for_some_layers_is_refused(tiny_model, tmp_pa
         LLM(path, kv_cache_dtype="fp8")
 
 
+@pytest.mark.slow
 def test_fp8_with_tensor_parallel_2(tiny_model, hf_model):
     # each rank measures and quantises its own KV heads
     prompts = random_prompts([300, 40, 120, 9], seed=9)

@@ -126,6 +126,7 @@ def test_sampling_params_per_prompt_and_eos(llm, hf_model):
     assert llm.generate([], GREEDY) == []
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_identical_to_1(tiny_model, hf_model):
     prompts = random_prompts([500, 480, 460, 490, 300, 20], seed=8)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

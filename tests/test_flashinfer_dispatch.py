@@ -12,12 +12,11 @@ from torch import nn
 import nanovllm.attention as attention
 from nanovllm.attention import KVCacheLayout, LayerKV, default_backend, make_attention_backend
 from nanovllm.attention import flashinfer_backend as fib
-from nanovllm.attention.kv_quant import FP8, quantize
 from nanovllm.attention.torch_backend import TorchBackend
-from nanovllm.layers import fp8_flashinfer
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_fused import Fp8Input
-from nanovllm.layers.fp8_routes import (
+from nanovllm.quantization import fp8_flashinfer
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_routes import (
     CUBLAS,
     FLASHINFER,
     ROUTES_ENV,
@@ -26,6 +25,7 @@ from nanovllm.layers.fp8_routes import (
     parse_routes,
     routed_rows,
 )
+from nanovllm.quantization.kv_quant import FP8, quantize
 from nanovllm.utils.context import Context
 from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed, require_flashinfer
 

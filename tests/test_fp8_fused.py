@@ -1,15 +1,16 @@
 """The norm and activation kernels that write a block-scaled FP8 linear layer's quantized input
-(nanovllm/layers/fp8_fused.py), on CPU in Triton's interpreter and compiled on the GPU: against the unfused pair
+(nanovllm/quantization/fp8_fused.py), on CPU in Triton's interpreter and compiled on the GPU: against the unfused pair
 (the op, then quantize_per_group), the padding rows and scale layout the matmul reads, and which ops the engine
 switches."""
 import pytest
 import torch
 from transformers import AutoConfig
 
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_fused import Fp8Input, quantize_in_producers, rms_norm_quantized, silu_and_mul_quantized
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.models import model_class
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.e4m3 import FP8
+from nanovllm.quantization.fp8_fused import Fp8Input, quantize_in_producers, rms_norm_quantized, silu_and_mul_quantized
 from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import model_config
 
@@ -89,10 +90,10 @@ def test_the_compiled_kernels_on_the_gpu(rows):
 
 def test_a_block_scaled_layer_takes_the_quantized_input_as_is():
     # meta tensors: torch's own shape and layout checks of the block-scaled call, no FP8 matmul needed
-    weight = fp8.Fp8Weight(torch.empty(256, 512, dtype=fp8.FP8_DTYPE, device="meta"),
+    weight = fp8.Fp8Weight(torch.empty(256, 512, dtype=FP8, device="meta"),
                            torch.empty(2, 4, device="meta"), "block",
                            fp8.block_kernel_scale(torch.ones(2, 4)).to("meta"))
-    x = Fp8Input(torch.empty(8, 512, dtype=fp8.FP8_DTYPE, device="meta"),
+    x = Fp8Input(torch.empty(8, 512, dtype=FP8, device="meta"),
                  torch.empty_strided((8, 4), (1, 8), device="meta"), 5, torch.bfloat16)
     y = fp8.fp8_linear(x, weight, torch.empty(256, device="meta", dtype=torch.bfloat16))
     assert y.shape == (5, 256) and y.dtype == torch.bfloat16

@@ -1,4 +1,4 @@
-"""FP8 KV cache (attention/kv_quant.py, kv_scales.py): the quantiser, the per-layer scales, every cache writer and
+"""FP8 KV cache (quantization/kv_quant.py, kv_scales.py): the quantiser, the per-layer scales, every cache writer and
 reader, on CPU (Triton kernels in its interpreter) and on the GPU (gpu marker) against the torch reference."""
 import numpy as np
 import pytest
@@ -6,13 +6,14 @@ import torch
 
 from nanovllm.attention import KVCacheLayout, LayerKV
 from nanovllm.attention.flash_attn_backend import dequantized_blocks, store_kvcache
-from nanovllm.attention.kv_quant import FP8, FP8_MAX, dequantize, quantize
-from nanovllm.attention.kv_scales import checkpoint_kv_scales, kv_scale_name, measured_kv_scales
 from nanovllm.attention.paged_decode import paged_decode_attention
+from nanovllm.attention.qk_norm_rope import KVDestination, qk_norm_rope
 from nanovllm.attention.torch_backend import TorchBackend, store_kvcache_torch
 from nanovllm.engine.model_inputs import InputBuilder
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.rotary_embedding import KVDestination, RotaryEmbedding, qk_norm_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.quantization.kv_quant import FP8, FP8_MAX, dequantize, quantize
+from nanovllm.quantization.kv_scales import checkpoint_kv_scales, kv_scale_name, measured_kv_scales
 from nanovllm.utils.context import get_context, reset_context, set_context
 
 E4M3_STEP = 2 ** -3  # e4m3 keeps 3 mantissa bits: rounding to nearest is off by at most half a step, relatively
@@ -159,6 +160,7 @@ def _reference_decode(q, cache, block_tables, context_lens):
         reset_context()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_heads,num_kv_heads,page", [(4, 2, 16), (8, 8, 32)])
 def test_decode_kernel_folds_the_layer_scales(num_heads, num_kv_heads, page):
     # a bf16 query, as the engine's: exact in float16, where the kernel takes the dot products; what remains is

@@ -1,12 +1,13 @@
-"""The FP8 arithmetic of nanovllm/layers/fp8_linear.py on CPU, and the argument layouts of its GPU calls: the
+"""The FP8 arithmetic of nanovllm/quantization/fp8_linear.py on CPU, and the argument layouts of its GPU calls: the
 row-wise torch._scaled_mm runs on CPU too; the block-wise call is checked on meta tensors, against torch's own
 shape and stride checks for that kernel."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.e4m3 import FP8, FP8_MAX
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 
 
 def test_blockwise_quantization_round_trips_with_partial_edge_blocks():
@@ -14,7 +15,7 @@ def test_blockwise_quantization_round_trips_with_partial_edge_blocks():
     weight = torch.randn(300, 200, generator=g)
     weight[:128, :128] *= 50  # one loud block must not coarsen its neighbours
     w8, scale = quantize_blockwise(weight)
-    assert w8.dtype == fp8.FP8_DTYPE and list(scale.shape) == [3, 2]
+    assert w8.dtype == FP8 and list(scale.shape) == [3, 2]
     back = fp8.dequantize_blocks(w8, scale, torch.float32)
     # e4m3 keeps 3 mantissa bits: half a step is 2^-4 of a value, or 2^-10 of its block's scale for subnormals
     error = (back - weight).abs()
@@ -24,7 +25,7 @@ def test_blockwise_quantization_round_trips_with_partial_edge_blocks():
 
 
 def test_fold_to_channel_only_when_exact():
-    w8 = torch.randn(256, 256).to(fp8.FP8_DTYPE)
+    w8 = torch.randn(256, 256).to(FP8)
     uniform = torch.tensor([[0.5, 0.5], [2.0, 2.0]])
     folded = fp8.fold_to_channel(uniform, 256)
     torch.testing.assert_close(w8.float() * folded.unsqueeze(1), fp8.dequantize_blocks(w8, uniform, torch.float32),
@@ -63,15 +64,15 @@ def test_group_quantization_scales_each_128_columns():
     x = torch.ones(2, 256)
     x[0, 128:] = 100
     x8, scale = fp8.quantize_per_group(x)
-    torch.testing.assert_close(scale, torch.tensor([[1, 100], [1, 1]]) / fp8.FP8_MAX)
-    assert (x8.float() == fp8.FP8_MAX).all()
+    torch.testing.assert_close(scale, torch.tensor([[1, 100], [1, 1]]) / FP8_MAX)
+    assert (x8.float() == FP8_MAX).all()
     assert hasattr(F, "scaled_mm")  # the block-wise GPU path's entry point exists in this torch
 
 
 @pytest.mark.parametrize("rows,cols,group,multiple", [(5, 512, 128, 4), (4, 384, 128, 4), (3, 300, None, 1),
                                                       (6, 2048, None, 4), (1, 128, 128, 4)])
 def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, group, multiple):
-    from nanovllm.layers.fp8_activation import quantize_activations
+    from nanovllm.quantization.fp8_activation import quantize_activations
 
     g = torch.Generator().manual_seed(rows * cols)
     x = (torch.randn(rows, cols, generator=g) * torch.logspace(-3, 2, cols)).to(torch.bfloat16)
@@ -80,7 +81,7 @@ def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, gro
     x8, scales = quantize_activations(x, group, multiple)
     padded = -(-rows // multiple) * multiple
     reference, reference_scales = fp8.quantize_per_row(x) if group is None else fp8.quantize_per_group(x, group)
-    assert x8.shape == (padded, cols) and x8.dtype == fp8.FP8_DTYPE
+    assert x8.shape == (padded, cols) and x8.dtype == FP8
     assert torch.equal(x8[:rows].view(torch.uint8), reference.view(torch.uint8))
     assert torch.equal(scales[:rows].reshape(reference_scales.shape), reference_scales)
     assert x8[rows:].float().eq(0).all() and scales[rows:].eq(1).all()  # padding rows
@@ -89,8 +90,8 @@ def test_fused_activation_quantization_writes_the_reference_bits(rows, cols, gro
 
 
 def test_quantization_at_load_uses_blocks_only_where_they_tile_each_part():
-    from nanovllm.layers.fp8_model import _blocks_fit, _quantize_blockwise_in_slabs
     from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
+    from nanovllm.quantization.fp8_model import _blocks_fit, _quantize_blockwise_in_slabs
     from nanovllm.utils.parallel import TensorParallelGroup
 
     one = TensorParallelGroup(rank=0, size=1)

@@ -14,11 +14,11 @@ from test_e2e_transformers import random_prompts
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.layers.linear import RowParallelLinear
 from nanovllm.models import model_class
 from nanovllm.models.decoder import Qwen3ForCausalLM
-from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantization_settings
+from nanovllm.quantization.fp8_checkpoint import Fp8Settings, quantization_settings
+from nanovllm.quantization.fp8_model import finish_fp8, prepare_fp8
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
@@ -69,8 +69,9 @@ def hf_dequantized(fp8_path: str, tmp_path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def check(hf_model, prompts, outputs) -> None:
-    near_ties = sum(assert_teacher_forced_greedy(hf_model, p, o["token_ids"]) for p, o in zip(prompts, outputs))
+def check(hf_model, prompts, outputs, margin: float = 1e-3) -> None:
+    near_ties = sum(assert_teacher_forced_greedy(hf_model, p, o["token_ids"], margin)
+                    for p, o in zip(prompts, outputs))
     assert near_ties <= 1, f"{near_ties} near-ties: the random weights are not peaked enough for a stable test"
 
 
@@ -94,11 +95,12 @@ def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_model, t
     hf = hf_dequantized(fp8_model, tmp_path)
     prompts = random_prompts([1, 9, 200, 300], seed=5)
     with LLM(fp8_model, num_kvcache_blocks=16) as llm:
-        assert llm.model_runner.config.fp8 == Fp8Settings(checkpoint=True)
+        assert llm.model_runner.fp8 == Fp8Settings(checkpoint=True)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     check(hf, prompts, outputs)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_shards_scales_with_weights(fp8_tp_model, tmp_path):
     hf = hf_dequantized(fp8_tp_model, tmp_path)
     prompts = random_prompts([5, 120, 260], seed=6)
@@ -208,7 +210,12 @@ def test_quantization_fp8_matches_a_plain_emulation(tiny_model, hf_model):
         layer = llm.model_runner.model.model.layers[0]
         assert layer.self_attn.qkv_proj.weight.dtype == FP8 and layer.mlp.down_proj.fp8.mode == "channel"
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    check(hf, prompts, outputs)
+    # The emulation's logits are not continuous in float32 noise: an activation that a different summation order
+    # (another attention kernel, or the CPU's GEMM kernel choice) moves across an e4m3 rounding boundary changes
+    # by one FP8 step, so this reference is only defined to about a tenth of a logit where that happens, whatever
+    # computes it. A margin of float noise (1e-3) would test which kernels ran; an unquantized model misses the
+    # emulation's argmax by whole logits, so this margin still tells FP8 arithmetic from none.
+    check(hf, prompts, outputs, margin=0.1)
     gaps = {"emulated": [], "plain": []}
     for prompt, output in zip(prompts, outputs):
         ids = torch.tensor([prompt + output["token_ids"][:-1]])
@@ -228,7 +235,7 @@ def test_quantization_fp8_matches_a_plain_emulation(tiny_model, hf_model):
 
 def test_fp8_linear_is_the_emulation(tiny_model):
     """One layer, no upstream noise: the engine's FP8 matmul is the plain emulation to float32 rounding."""
-    from nanovllm.layers.fp8_linear import Fp8Weight, fp8_linear, quantize_per_channel
+    from nanovllm.quantization.fp8_linear import Fp8Weight, fp8_linear, quantize_per_channel
 
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(96, 256, generator=g), torch.randn(7, 256, generator=g) * 3

@@ -8,7 +8,7 @@ e4m3 (the triton kernel keeps them in float16): on random data like this, writte
 relative RMS error of about 0.04 against the same cache and 1.4x the format's own error against the unquantized
 cache. The bars leave room above that and fall far short of what a wrong scale or page gives (order 1).
 
-Block-scaled FP8 matmuls (layers/fp8_flashinfer.py) at 1-4096 rows for the Qwen3-8B and Llama-3.1-8B layer shapes,
+Block-scaled FP8 matmuls (quantization/fp8_flashinfer.py) at 1-4096 rows for the Qwen3-8B and Llama-3.1-8B layer shapes,
 against the same quantization multiplied in float32 (the bar of tests/test_gpu_fp8_weights.py, 1% of the largest
 output), and against cuBLAS's error on the same input (mean error at most 1.5x): vLLM saw FlashInfer's kernel lose
 accuracy at 32 rows and more on one model, so every row count it may be routed to is checked.
@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from nanovllm.attention import KVCacheLayout, LayerKV
-from nanovllm.attention.kv_quant import FP8, dequantize, quantize
 from nanovllm.attention.paged_decode import paged_decode_attention
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_flashinfer import flashinfer_block_mm
-from nanovllm.layers.fp8_fused import Fp8Input
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_flashinfer import flashinfer_block_mm
+from nanovllm.quantization.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_linear import quantize_blockwise
+from nanovllm.quantization.kv_quant import FP8, dequantize, quantize
 from nanovllm.utils.context import Context
 from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not flashinfer_installed(), reason=f"FlashInfer is not installed ({INSTALL})")]

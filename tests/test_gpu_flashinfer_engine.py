@@ -18,7 +18,7 @@ from test_fp8_weights import write_dequantized
 
 import nanovllm.attention as attention
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.fp8_routes import ROUTES_ENV
+from nanovllm.quantization.fp8_routes import ROUTES_ENV
 from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
@@ -101,7 +101,7 @@ def routed_results(tmp_path_factory) -> dict:
     prompts = prompts_of(torch.randint(100, 1001, (24,), generator=g).tolist(), seed=1)
     outputs, calls = {}, {}
     with pytest.MonkeyPatch.context() as patch:
-        from nanovllm.layers import fp8_linear
+        from nanovllm.quantization import fp8_linear
 
         real = fp8_linear.flashinfer_block_mm
         for routes in ("", "31:flashinfer"):

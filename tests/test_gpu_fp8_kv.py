@@ -19,7 +19,7 @@ import torch
 from hf_reference import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.kv_quant import dequantize, quantize
+from nanovllm.quantization.kv_quant import dequantize, quantize
 from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 

@@ -27,9 +27,9 @@ import torch
 from test_fp8_weights import dequantize, write_dequantized
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers import fp8_linear as fp8
-from nanovllm.layers.fp8_fused import Fp8Input
-from nanovllm.utils.fp8_checkpoint import quantize_blockwise
+from nanovllm.quantization import fp8_linear as fp8
+from nanovllm.quantization.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_linear import quantize_blockwise
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ from hf_reference import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import Sampler
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu

@@ -75,6 +75,7 @@ def test_greedy_identical_to_transformers(family):
         assert output["token_ids"] == hf_greedy(hf_model, prompt, 24)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_identical_to_transformers(tmp_path):
     # Qwen2's q/k/v biases are split with their heads; the Llama biases on o and down are added once; each
     # expert's intermediate dimension is split

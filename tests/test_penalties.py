@@ -1,4 +1,4 @@
-"""Penalties (layers/penalties.py): the device table of histories and both ways of applying them (torch ops, and
+"""Penalties (sampling/penalties.py): the device table of histories and both ways of applying them (torch ops, and
 the GPU's Triton kernel, here in Triton's interpreter) against vLLM's formulas on the plain histories."""
 from random import Random
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm.engine.sequence import PENDING, Sequence
-from nanovllm.layers.penalties import PenaltyHistories
+from nanovllm.sampling.penalties import PenaltyHistories
 from nanovllm.sampling_params import SamplingParams
 
 

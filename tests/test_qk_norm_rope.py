@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from nanovllm.layers.rotary_embedding import KVDestination, RotaryEmbedding, _rotate, qk_norm_rope
+from nanovllm.attention.qk_norm_rope import KVDestination, qk_norm_rope
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, _rotate
 
 
 def eager_reference(positions, x, weight, eps, cos_sin_cache):

@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # the host loop's own code: where an interrupt can land between two device steps
-HOST_LOOP_FILES = ("nanovllm/engine/", "nanovllm/layers/sampler.py", "nanovllm/sampling_params.py")
+HOST_LOOP_FILES = ("nanovllm/engine/", "nanovllm/sampling/sampler.py", "nanovllm/sampling_params.py")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,7 @@ def traced(llm, tracer, prompts, params):
         sys.settrace(None)
 
 
+@pytest.mark.slow
 def test_an_interrupt_at_any_line_of_the_host_loop_leaks_nothing(llm):
     prompts, params = workload()
     expected = llm.generate(prompts, params, use_tqdm=False)

@@ -56,6 +56,7 @@ def choices(record: dict) -> list:
     return [body["object"], body["choices"], body["usage"]]
 
 
+@pytest.mark.slow
 def test_cli_greedy_results_equal_transformers(tiny_model, hf_model, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     greedy = {"temperature": 0, "ignore_eos": True, "max_tokens": 8, "skip_special_tokens": False}
@@ -265,7 +266,7 @@ def test_every_flag_has_a_help_text_that_says_its_default():
     [run] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0].choices.values()
     flags = {a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]: a.help
              for a in run._actions if a.option_strings and a.dest != "help"}
-    assert len(flags) == 18  # -i, -o, --model, the 13 engine flags, and the data-parallel size and backend
+    assert len(flags) == 20  # -i, -o, --model, the 15 engine flags, and the data-parallel size and backend
     assert all(text and len(text) > 20 for text in flags.values()), [f for f, text in flags.items() if not text]
     optional = [flag for flag in flags if flag not in ("--input-file", "--output-file", "--model")]
     assert all("default" in flags[flag] for flag in optional), [f for f in optional if "default" not in flags[f]]
@@ -273,6 +274,7 @@ def test_every_flag_has_a_help_text_that_says_its_default():
     assert "(default: 512)" in flags["--max-num-seqs"] and "(default: 4096," in flags["--max-model-len"]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_answers_each_request_once(tiny_model, tmp_path):
     # r0 is long, so the run is still busy with it when the short ones have been written and the kill comes
     lines = [request(f"r{i}", {"prompt": [7 + i, 100 + 3 * i, 40], "max_tokens": 320 if i == 0 else 24 + i % 9,

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from nanovllm.layers.gumbel_max import gumbel_max_sample
-from nanovllm.layers.sampler import Sampler, SamplingTensors, step_keys
-from nanovllm.layers.sampling_floors import CHUNK, LargestLogits, logit_floors
+from nanovllm.sampling.floors import CHUNK, LargestLogits, logit_floors
+from nanovllm.sampling.gumbel_max import gumbel_max_sample
+from nanovllm.sampling.sampler import Sampler, SamplingTensors, step_keys
 
 
 def reference_keep(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -52,7 +52,7 @@ def test_floors_keep_what_the_filters_keep(top_k, top_p, min_p, temperature):
 
 
 def reference_keep_with_ties(row: list[float], top_k: int, top_p: float) -> set[int]:
-    """The definitions of layers/sampling_floors.py, for logits with ties: top-k keeps what is at least the k-th
+    """The definitions of sampling/floors.py, for logits with ties: top-k keeps what is at least the k-th
     largest; top-p keeps a token when the kept tokens strictly more likely than it hold less than top_p."""
     keep = set(range(len(row)))
     if top_k > 0:
@@ -215,6 +215,7 @@ def test_gumbel_kernel_greedy_rows_take_the_first_maximum_across_chunks():
     assert 0 <= out[3].item() < vocab
 
 
+@pytest.mark.slow
 def test_gumbel_kernel_follows_the_distribution():
     probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     draws = 400  # the interpreter runs one program at a time: a small sample, so a loose bound
@@ -225,6 +226,7 @@ def test_gumbel_kernel_follows_the_distribution():
     assert chi2 < 25.0, counts  # 5 degrees of freedom: p < 1e-4 by chance
 
 
+@pytest.mark.slow
 def test_gumbel_kernel_floors_bound_the_draw():
     vocab, rows = 2500, 6
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(9))

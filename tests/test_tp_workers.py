@@ -10,6 +10,8 @@ from test_e2e_transformers import random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.engine.shm_channel import SHM_SIZE, WorkerChannel
 
+pytestmark = pytest.mark.slow  # processes and actors: seconds each
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 COMPILE_ALL = r'''
 import sys
 import triton
@@ -13,15 +15,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
-from nanovllm.layers.fp8_activation import _quantize_activations_kernel
-from nanovllm.layers.fp8_fused import _rms_norm_quantize_kernel, _silu_and_mul_quantize_kernel
+from nanovllm.quantization.fp8_activation import _quantize_activations_kernel
+from nanovllm.quantization.fp8_fused import _rms_norm_quantize_kernel, _silu_and_mul_quantize_kernel
 from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
                                                    _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul
-from nanovllm.layers.gumbel_max import _gumbel_max
-from nanovllm.layers.sampling_floors import _chunk_maxima, _floors, _recount
+from nanovllm.sampling.gumbel_max import _gumbel_max
+from nanovllm.sampling.floors import _chunk_maxima, _floors, _recount
 from nanovllm.attention.paged_decode import _decode_attention
-from nanovllm.layers.rotary_embedding import _qk_norm_rope_kernel
+from nanovllm.attention.qk_norm_rope import _qk_norm_rope_kernel
 
 # argument types by name (other names are i32); constexprs as the engine passes them for Qwen3-0.6B
 POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -99,6 +101,7 @@ sys.exit(1 if failed else 0)
 '''
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,6 +11,8 @@ from hf_reference import assert_no_leaks, hf_greedy
 from test_e2e_transformers import random_prompts
 
 from nanovllm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
+from nanovllm.config import ARCHITECTURES
+from nanovllm.models import MODEL_REGISTRY
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,10 @@ def test_other_architectures_are_refused_by_name(tiny_model, tmp_path):
                                          r"'Qwen3ForCausalLM'"):
         LLM(str(path))
     assert os.path.isdir(path)
+
+
+def test_the_architectures_config_accepts_are_those_models_implements():
+    assert sorted(ARCHITECTURES) == sorted(MODEL_REGISTRY)
 
 
 def greedy_with_penalties(hf_model, prompt: list[int], steps: int, presence: float, frequency: float,

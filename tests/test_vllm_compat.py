@@ -192,6 +192,7 @@ def test_prompt_logprobs_through_chunked_prefill_and_preemption(tiny_model, hf_m
     assert_prompt_logprobs_equal_transformers(hf_model, outs[2], prompts[2], 1)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_under_tensor_parallelism(tiny_model, hf_model):
     prompt = random_prompts([70], seed=95)[0]
     with LLM(tiny_model, tensor_parallel_size=2, num_kvcache_blocks=8) as engine:

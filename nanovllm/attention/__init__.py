@@ -11,9 +11,9 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
 from nanovllm.attention.kv_cache import KVCacheLayout
+from nanovllm.config import ATTENTION_BACKENDS as BACKEND_NAMES
 from nanovllm.utils.flashinfer import flashinfer_installed
 
-BACKEND_NAMES = ("triton", "flash_attn", "flashinfer", "torch")
 # The default backend's one switch: True makes `flashinfer` the default on Hopper (sm_90) with an FP8 KV cache
 # where FlashInfer is installed. Set from the end-to-end A/B (benchmarks/flashinfer_ab.py, docs/flashinfer.md);
 # False keeps `triton` the default everywhere on CUDA.

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from nanovllm.attention.kv_quant import FP8
+from nanovllm.quantization.kv_quant import FP8
 from nanovllm.utils.context import Context
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @dataclass
 class LayerKV:
     """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous. An FP8
-    cache (attention/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
+    cache (quantization/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
     fixed before the first write (plain numbers: kernels take them as arguments, CUDA graphs capture them)."""
 
     k: torch.Tensor

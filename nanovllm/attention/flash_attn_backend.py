@@ -4,8 +4,8 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
-from nanovllm.attention.kv_quant import to_fp8
-from nanovllm.layers.rotary_embedding import qk_norm_rope
+from nanovllm.attention.qk_norm_rope import qk_norm_rope
+from nanovllm.quantization.kv_quant import to_fp8
 from nanovllm.utils.context import Context
 
 

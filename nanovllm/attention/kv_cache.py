@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.attention.backend import LayerKV
-from nanovllm.attention.kv_quant import FP8
+from nanovllm.quantization.kv_quant import FP8
 
 
 @dataclass(frozen=True)
@@ -12,7 +12,7 @@ class KVCacheLayout:
     """The one place that knows how the paged KV cache is laid out: one tensor
     [K and V, layers, blocks, tokens per block, this rank's KV heads, head_dim]; token t of block b sits at slot
     b * block_size + t of every layer's K and V. An FP8 cache has one key scale and one value scale per layer
-    (attention/kv_quant.py), numbers kept by each layer's LayerKV."""
+    (quantization/kv_quant.py), numbers kept by each layer's LayerKV."""
 
     num_layers: int
     block_size: int

@@ -5,7 +5,7 @@ exactly once, for all query heads that share it (GQA), with enough independent p
 busy. Each program takes one (sequence, KV head, slice of the context) and keeps an online softmax; the last
 slice of a sequence to finish merges the slices by their log-sum-exp.
 
-An FP8 cache (attention/kv_quant.py) halves the bytes read. Its rows are widened to float16, not bf16: e4m3 ->
+An FP8 cache (quantization/kv_quant.py) halves the bytes read. Its rows are widened to float16, not bf16: e4m3 ->
 float16 is one instruction per pair on Hopper (to bf16 it is a sequence of integer ops, which made the kernel
 slower than on a bf16 cache), every e4m3 value is exact in float16, and so is the bf16 query in the range
 attention sees. The layer's key scale is folded into the softmax scale and its value scale into the output, so
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.attention.kv_quant import FP8
+from nanovllm.quantization.kv_quant import FP8
 
 
 def default_max_splits(batch: int, num_kv_heads: int) -> int:

@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
-from nanovllm.attention.kv_quant import dequantize, quantize
+from nanovllm.quantization.kv_quant import dequantize, quantize
 from nanovllm.utils.context import Context
 
 

@@ -4,14 +4,14 @@ from torch import nn
 from nanovllm.attention.backend import LayerKV
 from nanovllm.attention.flash_attn_backend import FlashAttnBackend
 from nanovllm.attention.paged_decode import paged_decode_attention
-from nanovllm.layers.rotary_embedding import KVDestination, qk_norm_rope
+from nanovllm.attention.qk_norm_rope import KVDestination, qk_norm_rope
 from nanovllm.utils.context import Context
 
 
 class TritonBackend(FlashAttnBackend):
     """flash-attn prefill, with the KV write fused into the (q/k-norm +) RoPE kernel (one launch per layer fewer)
-    and our split-context decode kernel, 10-30% faster than flash-attn 2's paged decode on an H200
-    (benchmarks/microbench_decode_attention.py)."""
+    and our split-context decode kernel, the fastest backend on the GPU (docs/PERFORMANCE.md compares it with
+    flash-attn 2's paged decode)."""
 
     name = "triton"
 

@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from nanovllm.config import Config
+from nanovllm.config import DATA_PARALLEL_BACKENDS
+from nanovllm.engine.config_checks import checked_config
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.prompts import Prompt
 from nanovllm.llm import LLM
@@ -26,7 +27,7 @@ from nanovllm.utils.tokenizer import load_tokenizer
 
 from .replica import DRAIN, Work
 
-BACKENDS = ("mp", "ray")
+BACKENDS = DATA_PARALLEL_BACKENDS
 POLL_S = 0.2  # the longest the driver waits for answers before it looks at liveness and its queue again
 
 
@@ -62,7 +63,7 @@ class DataParallel:
         if backend not in BACKENDS:
             raise ValueError(f"data-parallel backend must be one of {BACKENDS}, got {backend!r}")
         # options are checked here, once, rather than failing in every replica
-        self.config = Config.from_options(model, **engine_options)
+        self.config = checked_config(model, **engine_options)
         self.tokenizer = load_tokenizer(self.config.model)
         self.credit = 3 * self.config.max_num_seqs
         # a replica waits for a refill until it has room for this many, so requests travel in batches; it still

@@ -5,8 +5,12 @@ from transformers import PreTrainedTokenizerBase
 Conversation = list[dict]
 
 
+MESSAGE_KEYS = {"role", "content", "name", "tool_call_id", "tool_calls"}  # the rest would be dropped silently
+
+
 def parse_conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
-    """One conversation (a list of message dicts) or a list of them, each message checked for a role and content."""
+    """One conversation (a list of message dicts) or a list of them, each message checked and its content made a
+    string (normalize_message)."""
     if not isinstance(messages, (list, tuple)):
         raise TypeError(f"messages must be a conversation (a list of {{'role': ..., 'content': ...}} dicts) or a "
                         f"list of conversations, not {type(messages).__name__}")
@@ -17,31 +21,64 @@ def parse_conversations(messages: Conversation | list[Conversation]) -> list[Con
             raise TypeError(f"conversation {c} is a {type(conversation).__name__}, not a list of message dicts")
         if not conversation:
             raise ValueError(f"conversation {c} holds no message")
-        for m, message in enumerate(conversation):
-            if not isinstance(message, dict):
-                raise TypeError(f"message {m} of conversation {c} is a {type(message).__name__}, not a dict with "
-                                f"'role' and 'content'")
-            missing = [key for key in ("role", "content") if key not in message]
-            if missing:
-                raise ValueError(f"message {m} of conversation {c} has no {' and no '.join(map(repr, missing))}: "
-                                 f"keys {sorted(message)}")
-            if not isinstance(message["role"], str):
-                raise TypeError(f"message {m} of conversation {c} has role {message['role']!r}, not a string")
-    return [list(conversation) for conversation in messages]
+    return [[normalize_message(message, f"message {m} of conversation {c}") for m, message in enumerate(conversation)]
+            for c, conversation in enumerate(messages)]
+
+
+def normalize_message(message: object, where: str = "message") -> dict:
+    """A message as the chat template takes it: a string role, and content as one string. OpenAI's content parts
+    are joined as vLLM joins them for a text-only model (newline-separated text parts); any other part, or any
+    other content, is refused by name. ValueError/TypeError name `where`."""
+    if not isinstance(message, dict):
+        raise TypeError(f"{where} is a {type(message).__name__}, not a dict with 'role' and 'content'")
+    missing = [key for key in ("role", "content") if key not in message]
+    if missing and not (missing == ["content"] and message.get("tool_calls")):
+        raise ValueError(f"{where} has no {' and no '.join(map(repr, missing))}: keys {sorted(message, key=str)}")
+    unknown = sorted(set(message) - MESSAGE_KEYS, key=str)
+    if unknown:
+        raise ValueError(f"{where} has fields {unknown} that are not supported; a message takes "
+                         f"{sorted(MESSAGE_KEYS)}")
+    if not isinstance(message["role"], str):
+        raise TypeError(f"{where} has role {message['role']!r}, not a string")
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(_text_part(part, f"content part {p} of {where}") for p, part in enumerate(content))
+    elif content is None and message.get("tool_calls"):  # an assistant turn that only calls tools
+        content = ""
+    elif not isinstance(content, str):
+        raise TypeError(f"{where} has content {content!r}: content is a string or a list of text parts "
+                        f"({{'type': 'text', 'text': ...}})")
+    return {**message, "content": content}
+
+
+def _text_part(part: object, where: str) -> str:
+    if not isinstance(part, dict) or "type" not in part:
+        raise TypeError(f"{where} is {part!r}, not a {{'type': 'text', 'text': ...}} part")
+    if part["type"] != "text":
+        raise ValueError(f"{where} has type {part['type']!r}: this engine runs text-only models, so only 'text' "
+                         f"parts are supported")
+    if not isinstance(part.get("text"), str):
+        raise TypeError(f"{where} has text {part.get('text')!r}, not a string")
+    return part["text"]
 
 
 def render(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, chat_template: str | None = None,
            add_generation_prompt: bool = True, continue_final_message: bool = False,
            chat_template_kwargs: dict | None = None, model: str = "the model") -> str:
     """The prompt text of one conversation: `chat_template` (else the tokenizer's) with the generation prompt,
-    or with the final message left open for the model to continue."""
-    if add_generation_prompt and continue_final_message:
+    or with the final message left open for the model to continue. chat_template_kwargs override the keyword
+    arguments (add_generation_prompt too), as vLLM's."""
+    options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+               **(chat_template_kwargs or {})}
+    if "tokenize" in options or "conversation" in options:
+        raise ValueError(f"chat_template_kwargs may not set 'tokenize' or 'conversation': got "
+                         f"{sorted(chat_template_kwargs)}")
+    chat_template = options.pop("chat_template", None) if chat_template is None else chat_template
+    options.pop("chat_template", None)
+    if options["add_generation_prompt"] and options["continue_final_message"]:
         raise ValueError("continue_final_message=True continues the final message and add_generation_prompt=True "
                          "starts a new one: pass add_generation_prompt=False with continue_final_message=True")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {model} has no chat template: pass chat_template=, or use generate() "
                          f"with prompts formatted by hand")
-    return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message,
-                                         **(chat_template_kwargs or {}))
+    return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False, **options)

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from nanovllm.attention import make_attention_backend
-from nanovllm.config import Config
 from nanovllm.engine.chat import render
+from nanovllm.engine.config_checks import checked_config
 from nanovllm.engine.detokenizer import Detokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.progress import ProgressBar, TokenCounter
@@ -17,6 +17,7 @@ from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, pars
 from nanovllm.engine.requests import RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.engine.spawn_guard import check_main_guard
 from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
 from nanovllm.outputs import RequestOutput
@@ -29,7 +30,7 @@ class LLMEngine:
     in flight."""
 
     def __init__(self, model: str, **options) -> None:
-        config = Config.from_options(model, **options)
+        config = checked_config(model, **options)
         self.config = config
         self.workers = None
         self._exited = True  # until there is something to release
@@ -41,6 +42,7 @@ class LLMEngine:
             if torch.cuda.is_available() and torch.cuda.device_count() < config.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
                                  f"{torch.cuda.device_count()} visible CUDA devices")
+            check_main_guard()
             self.workers = Workers(config)
         try:
             if self.workers is None:
@@ -71,9 +73,9 @@ class LLMEngine:
         self._exited = False
         atexit.register(self.exit)
         if config.seed is not None:
-            # the stream requests without their own seed draw from (the sampler's torch generators), seeded once
-            # the model is loaded and warmed up, so the same script gives the same tokens; n samples still differ
-            torch.manual_seed(config.seed)
+            # the stream requests without their own seed draw from, restarted once the model is warmed up, so the
+            # same script gives the same tokens; n samples still differ
+            self.model_runner.sampler.reseed(config.seed)
 
     def exit(self) -> None:
         """Stop the workers, free the model and KV cache, and remove every shared-memory file. Idempotent."""
@@ -165,7 +167,7 @@ class LLMEngine:
         parsed = parse_prompts(prompts)
         params = broadcast_params(sampling_params, len(parsed))
         numbered = enumerate(zip(parsed, params))
-        requests = [(i, text, self.requests.make_samples(prompt, p)) for i, ((text, prompt), p) in numbered]
+        requests = [(i, text, self.requests.make_samples(prompt, p, i)) for i, ((text, prompt), p) in numbered]
         outputs = dict(self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm))
         return [outputs[i] for i in range(len(requests))]
 
@@ -213,7 +215,7 @@ class LLMEngine:
                 text, prompt = parse_prompt(index, prompt)
                 if not isinstance(p, SamplingParams):
                     raise TypeError(f"sampling_params[{index}] is a {type(p).__name__}, not a SamplingParams")
-                yield index, text, self.requests.make_samples(prompt, p)
+                yield index, text, self.requests.make_samples(prompt, p, index)
             except (ValueError, TypeError) as error:
                 if not yield_errors:
                     raise

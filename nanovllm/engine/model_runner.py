@@ -6,8 +6,6 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.attention import KVCacheLayout, make_attention_backend
-from nanovllm.attention.kv_quant import kv_cache_dtype
-from nanovllm.attention.kv_scales import checkpoint_kv_scales, measured_kv_scales
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.model_inputs import InputBuilder
@@ -15,14 +13,22 @@ from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import Step
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.fp8_flashinfer import prepare_flashinfer_gemm
-from nanovllm.layers.fp8_model import finish_fp8, prepare_fp8
-from nanovllm.layers.fp8_routes import describe_routes
-from nanovllm.layers.sampler import Sampler
 from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
+from nanovllm.quantization import (
+    checkpoint_kv_scales,
+    describe_routes,
+    finish_fp8,
+    is_kv_scale,
+    kv_cache_dtype,
+    measured_kv_scales,
+    prepare_flashinfer_gemm,
+    prepare_fp8,
+    quantization_settings,
+)
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.utils.context import reset_context
-from nanovllm.utils.device import available_cpu_memory
+from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
 
@@ -50,25 +56,29 @@ class ModelRunner:
                         config.attention_backend else "the default for this device and KV cache dtype")
         if self.use_cuda:
             torch.cuda.set_device(self.device)
+        else:
+            threads = cap_cpu_threads(config.tensor_parallel_size)
+            logger.info("CPU: %d torch thread(s) (the free cores; OMP_NUM_THREADS sets another number)", threads)
         self.tp = TensorParallelGroup.connect(store, rank, config.tensor_parallel_size, self.use_cuda)
         self.dtype = config.dtype  # the engine option, resolved by Config ("auto": the checkpoint's)
+        self.fp8 = quantization_settings(config.quantization, hf_config)  # None: weights in the model dtype
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         torch.set_default_device(self.device)
         try:
             self.model = model_class(hf_config)(hf_config, self.tp, self.backend)
-            if config.fp8 is not None and config.fp8.checkpoint:
-                prepare_fp8(self.model, config.fp8)  # e4m3 weights and their scales, as the checkpoint has them
+            if self.fp8 is not None and self.fp8.checkpoint:
+                prepare_fp8(self.model, self.fp8)  # e4m3 weights and their scales, as the checkpoint has them
         finally:
             # restored before anything is compiled: torch.compile guards on the default dtype, so kernels
             # compiled under another one than generate() runs with would all be recompiled in the first run
             torch.set_default_device("cpu")
             torch.set_default_dtype(default_dtype)
-        checkpoint_scales = load_model(self.model, config.model)
+        checkpoint_scales = load_model(self.model, config.model, is_kv_scale)
         self.fp8_summary = None
-        if config.fp8 is not None:
+        if self.fp8 is not None:
             # the KV cache is sized from the memory left after this, so it gets whatever FP8 saves
-            self.fp8_summary = finish_fp8(self.model, config.fp8, self.dtype)
+            self.fp8_summary = finish_fp8(self.model, self.fp8, self.dtype)
             if rank == 0:
                 logger.info("FP8 weights: %s", self.fp8_summary.describe())
             # FlashInfer's matmuls compile per shape at first use: now, before any timed or captured pass

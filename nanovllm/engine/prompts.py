@@ -22,6 +22,7 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
+PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 # one prompt: text, token ids, a TextPrompt or a TokensPrompt
 Prompt = str | list[int] | TextPrompt | TokensPrompt | dict
 
@@ -41,6 +42,10 @@ def parse_prompt(index: int, prompt) -> tuple[str | None, str | list[int]]:
     if isinstance(prompt, str):
         return prompt, prompt
     if isinstance(prompt, dict):
+        unknown = sorted(set(prompt) - PROMPT_KEYS, key=str)
+        if unknown and PROMPT_KEYS & set(prompt):  # multi_modal_data and the like change the answer: never drop them
+            raise ValueError(f"prompt {index} has keys {unknown} this engine does not support (text-only models); "
+                             f"a prompt dict takes {sorted(PROMPT_KEYS)}")
         if "prompt_token_ids" in prompt:
             return prompt.get("prompt"), _token_ids(index, prompt["prompt_token_ids"])
         if isinstance(prompt.get("prompt"), str):

@@ -2,10 +2,8 @@ from enum import Enum, auto
 from itertools import count
 
 from nanovllm.outputs import Logprob
+from nanovllm.sampling.rows import PENDING as PENDING  # the engine imports it from here
 from nanovllm.sampling_params import SamplingParams
-
-# a sampled token whose value is still on the GPU: the next step is scheduled before it is read back
-PENDING = -1
 
 
 class SequenceStatus(Enum):
@@ -40,7 +38,7 @@ class Sequence:
         self.logprobs: list[dict[int, Logprob]] = []  # one entry per generated token, when params.logprobs is set
         # one entry per prompt token after the first, when params.prompt_logprobs is set (engine/prompt_logprobs.py)
         self.prompt_logprobs: list[dict[int, Logprob]] = []
-        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized (layers/bad_words.py)
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized (sampling/bad_words.py)
         self._shipped_token_ids: list[int] = []
 
     def __len__(self) -> int:

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.shm_channel import WorkerChannel
+from nanovllm.engine.spawn_guard import death_hint
 from nanovllm.engine.step import Step
 
 STORE_TIMEOUT = timedelta(minutes=5)
@@ -96,10 +97,11 @@ class Workers:
         """Raise naming every dead worker. `grace` gives a worker whose sockets just closed time to be reaped."""
         for process in self.processes:
             process.join(grace)
-        dead = [f"rank {rank} (exit code {p.exitcode})" for rank, p in enumerate(self.processes, 1)
-                if p.exitcode is not None]
+        dead = [rank for rank, p in enumerate(self.processes, 1) if p.exitcode is not None]
         if dead:
-            raise RuntimeError(f"tensor-parallel worker(s) died: {', '.join(dead)}")
+            started = all(self.store.check([f"started-{rank}"]) for rank in dead)
+            named = ", ".join(f"rank {rank} (exit code {self.processes[rank - 1].exitcode})" for rank in dead)
+            raise RuntimeError(f"tensor-parallel worker(s) died: {named}{death_hint(started)}")
 
     def join(self, timeout: float = 30.0) -> None:
         if self.any_dead():  # the others may wait forever in a collective with the dead one

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.layers.fp8_fused import silu_and_mul_quantized
+from nanovllm.quantization.fp8_fused import silu_and_mul_quantized
 
 
 @triton.jit
@@ -43,8 +43,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: silu(gate) * up, with gate and up packed side by side in the last dimension."""
 
-    # set by layers/fp8_model.py where down_proj is a block-scaled FP8 linear layer: the output is then its
-    # quantized input (layers/fp8_fused.py), on CUDA
+    # set by quantize_in_producers (quantization/fp8_fused.py) where down_proj is a block-scaled FP8 linear layer:
+    # the output is then its quantized input, on CUDA
     fp8_output = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers import fused
-from nanovllm.layers.fp8_fused import rms_norm_quantized
+from nanovllm.quantization.fp8_fused import rms_norm_quantized
 
 
 @fused
@@ -22,8 +22,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    # set by layers/fp8_model.py where the consumer is a block-scaled FP8 linear layer: the output is then its
-    # quantized input (layers/fp8_fused.py), on CUDA
+    # set by quantize_in_producers (quantization/fp8_fused.py) where the consumer is a block-scaled FP8 linear
+    # layer: the output is then its quantized input, on CUDA
     fp8_output = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

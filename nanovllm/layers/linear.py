@@ -2,8 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.fp8_linear import Fp8Weight, fp8_linear
-from nanovllm.utils.loader import check_shape, default_weight_loader
+from nanovllm.quantization.fp8_linear import Fp8Weight, fp8_linear
+from nanovllm.utils.loader import ShardId, check_shape, default_weight_loader
 from nanovllm.utils.parallel import TensorParallelGroup
 
 
@@ -21,7 +21,8 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split across ranks; each rank keeps its slice of y."""
 
-    fp8: Fp8Weight | None = None  # set by layers/fp8_model.py when the weight is FP8
+    fp8: Fp8Weight | None = None  # set by quantization/fp8_model.py when the weight is FP8
+    tp_dim = 0  # the weight dimension split across ranks: output rows
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()
@@ -40,6 +41,10 @@ class ColumnParallelLinear(nn.Module):
         check_shape(loaded, (shard * self.tp_size, *param.shape[1:]))
         param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
 
+    def output_parts(self) -> dict[ShardId, int]:
+        """The checkpoint rows of each part packed into the weight, in packing order (here one: all of it)."""
+        return {None: self.weight.size(0) * self.tp_size}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return fp8_linear(x, self.fp8, self.bias)
@@ -52,6 +57,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: list[int], tp: TensorParallelGroup, bias: bool = False) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), tp, bias)
+
+    def output_parts(self) -> dict[ShardId, int]:
+        return dict(enumerate(self.output_sizes))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         check_shape(loaded, (self.output_sizes[shard_id], *param.shape[1:]))
@@ -70,6 +78,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = num_kv_heads
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, tp, bias)
 
+    def output_parts(self) -> dict[ShardId, int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q": q, "k": kv, "v": kv}
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q_size = self.num_heads * self.head_dim // self.tp_size
         kv_size = self.num_kv_heads * self.head_dim // self.tp_size
@@ -81,7 +93,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W's input columns split across ranks; partial sums are all-reduced."""
 
-    fp8: Fp8Weight | None = None  # set by layers/fp8_model.py when the weight is FP8
+    fp8: Fp8Weight | None = None  # set by quantization/fp8_model.py when the weight is FP8
+    tp_dim = 1  # input columns
 
     def __init__(self, input_size: int, output_size: int, tp: TensorParallelGroup, bias: bool = False) -> None:
         super().__init__()

@@ -24,6 +24,25 @@ def check_dtype(value: object) -> torch.dtype | None:
                      f"{list(DTYPES)}, or torch.bfloat16 / torch.float16 / torch.float32")
 
 
+def free_cpu_cores(processes: int = 1) -> int:
+    """Cores this process may use on a CPU run: those it is allowed (affinity) less those other processes keep
+    busy (the 1-minute load average, less this process's own share), split among `processes` engine processes."""
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    others = max(0.0, os.getloadavg()[0] - 1.0) if hasattr(os, "getloadavg") else 0.0
+    return max(1, int(allowed - others + 0.5) // max(1, processes))
+
+
+def cap_cpu_threads(processes: int = 1) -> int:
+    """Lower torch's CPU threads to the free cores (never raise them), unless OMP_NUM_THREADS chose a number:
+    threads beyond the idle cores wait on one another, which made decode steps 10-50 times slower on a busy
+    machine. Returns the number in force."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = min(torch.get_num_threads(), free_cpu_cores(processes))
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def available_cpu_memory() -> int:
     try:
         with open("/proc/meminfo") as f:

@@ -1,7 +1,7 @@
 """FlashInfer, the optional `flashinfer` extra (the package flashinfer-python): imported only where a FlashInfer
 path is asked for, so the engine, CI and every CPU path run without it. It compiles its kernels with the
 machine's nvcc at first use (the engine triggers that at start-up: attention/flashinfer_backend.py,
-layers/fp8_flashinfer.py)."""
+quantization/fp8_flashinfer.py)."""
 import importlib
 import importlib.util
 import sys

@@ -1,13 +1,11 @@
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from glob import glob
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-
-from nanovllm.attention.kv_scales import kv_scale_name
 
 INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None  # which part of a packed parameter a checkpoint tensor fills; None: the whole of it
@@ -113,9 +111,10 @@ def _some(names: list[str], limit: int = 10) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def load_model(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+def load_model(model: nn.Module, path: str,
+               extra: Callable[[str], bool] = lambda name: False) -> dict[str, torch.Tensor]:
     """Fill every parameter of the model from the checkpoint at `path`, each part of a packed one exactly once;
-    return the checkpoint's KV-cache scales by name (attention/kv_scales.py), which no parameter takes.
+    return, by name, the tensors no parameter takes that `extra` accepts (an FP8 KV cache's scales).
 
     The loader only maps names; each parameter's weight_loader knows which slice its rank keeps and checks the full
     tensor's shape. Names are checked against the files' headers before any tensor is read, so a missing, extra or
@@ -125,8 +124,8 @@ def load_model(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
         {name for name, _ in model.named_parameters()}
     sources = locate_tensors(path)
-    kv_scales = {name: file for name, file in sources.items() if kv_scale_name(name) is not None}
-    unknown = sorted(name for name in sources if name not in targets and name not in aliases and name not in kv_scales)
+    extras = {name: file for name, file in sources.items() if name not in targets and extra(name)}
+    unknown = sorted(name for name in sources if name not in targets and name not in aliases and name not in extras)
     if unknown:
         raise ValueError(f"checkpoint tensor(s) {_some(unknown)} in {path} match no model parameter")
     missing = sorted(name for name in targets if name not in sources)
@@ -149,8 +148,8 @@ def load_model(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
                     loader(param, loaded) if shard_id is None else loader(param, loaded, shard_id)
                 except ValueError as e:
                     raise ValueError(f"checkpoint tensor {name!r} in {file}: {e}") from e
-    scales = {}
-    for name, file in kv_scales.items():
+    found = {}
+    for name, file in extras.items():
         with _open(file) as f:
-            scales[name] = f.get_tensor(name)
-    return scales
+            found[name] = f.get_tensor(name)
+    return found

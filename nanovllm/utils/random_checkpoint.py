@@ -5,18 +5,28 @@ The result (config.json, generation_config.json, safetensors, tokenizer files) l
 transformers' AutoModelForCausalLM / AutoTokenizer. Speed does not depend on weight values, so benchmarks on these
 checkpoints measure what real ones would (a MoE router of random weights spreads tokens evenly over the experts,
 as a trained, load-balanced one roughly does).
+
+Its command line (`python -m nanovllm.utils.random_checkpoint DIR`) answers --help without torch: torch and the
+writers load once there is something to write.
 """
+from __future__ import annotations
+
 import argparse
+import glob
 import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+from nanovllm.utils.random_tokenizer import num_regular_tokens, write_tokenizer
 
-from nanovllm.utils.fp8_checkpoint import FP8_SUFFIX, fp8_quantization_config, split_fp8_shape, to_fp8_checkpoint
+if TYPE_CHECKING:
+    import torch
+
+FP8_SUFFIX = "-FP8"  # shape names: "Qwen3-8B-FP8" is Qwen3-8B in the published FP8 layout
+CHECKPOINT_MARKERS = ("config.json", "*.safetensors", "*.bin", "*.pth", "model.safetensors.index.json")
 
 COMMON = dict(hidden_act="silu", attention_dropout=0.0, initializer_range=0.02, use_cache=True, dtype="bfloat16")
 QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
@@ -69,11 +79,6 @@ SHAPES: dict[str, dict] = {
 }
 # every name --shape takes: the shapes, and each in the published FP8 layout (Qwen3-8B-FP8)
 SHAPE_NAMES = sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SHARD_BYTES = 4 << 30  # large checkpoints are written in shards of about this size, with an index
 
 
@@ -84,17 +89,19 @@ def model_config(shape: str, **overrides) -> dict:
     config = dict(**FAMILIES[dims.pop("family")], **COMMON)
     config.update(dims)
     config.update(overrides)
-    num_regular = _num_regular_tokens(config["vocab_size"])  # the specials sit above the regular tokens
+    num_regular = num_regular_tokens(config["vocab_size"])  # the specials sit above the regular tokens
     return {"bos_token_id": num_regular, "eos_token_id": num_regular + 2, "pad_token_id": num_regular, **config}
 
 
-def _num_regular_tokens(vocab_size: int) -> int:
-    # Qwen3 keeps its specials at 151643..; a smaller vocabulary keeps them at its top
-    return min(vocab_size - len(SPECIAL_TOKENS), 151643)
+def split_fp8_shape(shape: str) -> tuple[str, bool]:
+    """'Qwen3-8B-FP8' -> ('Qwen3-8B', True); other names are returned as they are, with False."""
+    return (shape.removesuffix(FP8_SUFFIX), True) if shape.endswith(FP8_SUFFIX) else (shape, False)
 
 
 def random_weights(config: dict, std: float, seed: int):
     """(name, tensor) for every weight of the checkpoint, made one at a time (a 30B model does not fit twice)."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, config["dtype"])
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -142,6 +149,8 @@ def random_weights(config: dict, std: float, seed: int):
 
 def save_sharded(weights, path: str) -> None:
     """model.safetensors, or shards of about SHARD_BYTES and model.safetensors.index.json when it is larger."""
+    from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in weights:
@@ -161,61 +170,29 @@ def save_sharded(weights, path: str) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
 
 
-def _byte_to_unicode() -> list[str]:
-    """The byte-level BPE alphabet: printable bytes stand for themselves, the rest are shifted past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, shift = [], 0
-    for b in range(256):
-        if b in printable:
-            chars.append(chr(b))
-        else:
-            chars.append(chr(256 + shift))
-            shift += 1
-    return chars
-
-
-def write_tokenizer(path: str, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer whose merges spell letter strings, so every regular id decodes to text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    num_regular = _num_regular_tokens(vocab_size)
-    byte_chars = _byte_to_unicode()
-    vocab = {ch: i for i, ch in enumerate(byte_chars)}
-    merges: list[tuple[str, str]] = []
-    letters = [byte_chars[ord(" ")]] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
-              [chr(c) for c in range(ord("A"), ord("Z") + 1)]
-    level = letters
-    while len(vocab) < num_regular:
-        next_level = []
-        for prefix in level:
-            for ch in letters:
-                if len(vocab) >= num_regular:
-                    break
-                token = prefix + ch
-                vocab[token] = len(vocab)
-                merges.append((prefix, ch))
-                next_level.append(token)
-        level = next_level
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(path)
-
-
 def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = None, seed: int = 0,
-                            fp8: bool = False, **config_overrides) -> str:
+                            fp8: bool = False, overwrite: bool = False, **config_overrides) -> str:
     """Write a random-weight checkpoint of `shape` to `path` (created if needed) and return the path.
     config.json is written last: its presence means the checkpoint is complete. If writing fails, a folder this
     call created is removed again.
 
     fp8=True, or a shape name ending in -FP8 (Qwen3-8B-FP8), writes the same weights in the published FP8 layout
-    (nanovllm/utils/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv."""
+    (nanovllm/quantization/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv.
+
+    A folder that already holds a checkpoint (config.json or weight files) is refused with FileExistsError unless
+    overwrite=True, which first removes its config and weight files: a real model's folder given by mistake keeps
+    its weights."""
+    from nanovllm.utils.quantized_checkpoint import fp8_quantization_config, to_fp8_checkpoint
+
     shape, fp8_shape = split_fp8_shape(shape)
     config = model_config(shape, **config_overrides)  # an unknown shape fails here, before anything is created
+    existing = existing_checkpoint_files(path)
+    if existing and not overwrite:
+        raise FileExistsError(f"{path} already holds a checkpoint ({', '.join(existing[:3])}"
+                              f"{', ...' if len(existing) > 3 else ''}); not writing over it. Choose another folder, "
+                              f"or pass overwrite=True (--overwrite) to replace it")
+    for name in existing:  # stale shards of another shape would otherwise stay beside the new ones
+        os.remove(os.path.join(path, name))
     with _removed_on_failure(path):
         # tiny models get a wider spread, so greedy tokens are separated by clear logit margins
         std = std if std is not None else (0.1 if shape == "tiny" else 0.02)
@@ -228,9 +205,27 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
         write_tokenizer(path, config["vocab_size"])
+        _readable_like_other_files(path)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
     return path
+
+
+def existing_checkpoint_files(path: str) -> list[str]:
+    """The names of the files in `path` that make it a checkpoint folder (empty when it is not one)."""
+    return sorted({os.path.basename(found) for pattern in CHECKPOINT_MARKERS
+                   for found in glob.glob(os.path.join(glob.escape(path), pattern))})
+
+
+def _readable_like_other_files(path: str) -> None:
+    """Give every written file the mode a plain open() gives under the umask (the weight writer makes them
+    owner-only), so a checkpoint shared with other users or containers can be read by them."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            os.chmod(full, 0o666 & ~umask)
 
 
 @contextmanager
@@ -262,7 +257,7 @@ def default_checkpoint(shape: str) -> str:
     path = os.path.join(cache_root(), f"{shape}-random")
     if not os.path.exists(os.path.join(path, "config.json")):
         print(f"writing a {shape}-shaped checkpoint with RANDOM weights to {path} (no model hub is used)")
-        write_random_checkpoint(path, shape)
+        write_random_checkpoint(path, shape, overwrite=True)  # no config.json: an unfinished write
     return path
 
 
@@ -277,11 +272,17 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the published FP8 layout (as a -FP8 shape name does)")
     parser.add_argument("--layers", type=int, default=None,
                         help="only the first N decoder layers (a large shape that must fit a smaller disk)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a checkpoint already in the folder (refused without it)")
     args = parser.parse_args()
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers}: a model needs at least 1 layer")
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
-    write_random_checkpoint(args.path, args.shape, seed=args.seed, fp8=args.fp8, **overrides)
+    if existing_checkpoint_files(args.path) and not args.overwrite:  # before torch is imported: an instant answer
+        parser.error(f"{args.path} already holds a checkpoint ({', '.join(existing_checkpoint_files(args.path))}); "
+                     f"pass --overwrite to replace it")
+    write_random_checkpoint(args.path, args.shape, seed=args.seed, fp8=args.fp8, overwrite=args.overwrite,
+                            **overrides)
     print(f"wrote a random-weight {args.shape} checkpoint to {args.path}")
 
 

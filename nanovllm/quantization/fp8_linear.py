@@ -10,7 +10,7 @@ Two weight layouts exist (docs/fp8_weights.md):
 Activation scales are dynamic (amax / 448 of what is multiplied), as the checkpoints' activation_scheme says.
 
 On CPU, and wherever the GPU lacks FP8 matmuls, "channel" weights run a plain emulation (quantize, dequantize,
-multiply in float32) and "block" weights are dequantized at load instead (nanovllm/layers/fp8_model.py).
+multiply in float32) and "block" weights are dequantized at load instead (nanovllm/quantization/fp8_model.py).
 """
 import os
 from dataclasses import dataclass
@@ -18,17 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.fp8_activation import quantize_activations
-from nanovllm.layers.fp8_flashinfer import flashinfer_block_mm
-from nanovllm.layers.fp8_fused import Fp8Input
-from nanovllm.layers.fp8_routes import FLASHINFER, Routes, kernel_for
+from nanovllm.quantization.e4m3 import FP8, FP8_MAX, FP8_MAX_RECIPROCAL
+from nanovllm.quantization.fp8_activation import quantize_activations
+from nanovllm.quantization.fp8_flashinfer import flashinfer_block_mm
+from nanovllm.quantization.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_routes import FLASHINFER, Routes, kernel_for
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# A scale is amax times this float32 reciprocal, not amax / 448: torch on CUDA turns a division by a Python number
-# into that multiplication while the CPU divides, so written out, CPU, CUDA and the Triton kernel
-# (fp8_activation.py) all compute the same scales, and the same e4m3 codes.
-FP8_MAX_RECIPROCAL = 1.0 / FP8_MAX
 BLOCK = 128  # the published checkpoints' weight_block_size, and the activation group of the block-wise matmul
 # Rows (tokens) below which a layer multiplies a bf16 copy of its weight instead: 0 keeps FP8 for every batch.
 # A copy costs the memory FP8 saves, so raise this only where the device measurement
@@ -81,7 +76,7 @@ def fp8_supported(device: torch.device) -> tuple[bool, bool]:
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # the clamp keeps values that round past 448 finite: e4m3fn has no infinity, a cast would give NaN
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +91,20 @@ def quantize_per_group(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tenso
     amax = grouped.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax * FP8_MAX_RECIPROCAL, torch.ones_like(amax))
     return _to_fp8(grouped, scale).view(rows, cols), scale.squeeze(-1)
+
+
+def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] -> (e4m3 weight, float32 weight_scale_inv [ceil(out/block), ceil(in/block)])."""
+    rows, cols = weight.shape
+    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32,
+                         device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    row_blocks, col_blocks = padded.size(0) // block, padded.size(1) // block
+    # each block as one row of block*block values, so one per-row quantization gives one scale per block
+    tiles = padded.view(row_blocks, block, col_blocks, block).permute(0, 2, 1, 3).reshape(-1, block * block)
+    w8, scale = quantize_per_group(tiles, block * block)
+    w8 = w8.view(row_blocks, col_blocks, block, block).permute(0, 2, 1, 3).reshape(padded.shape)
+    return w8[:rows, :cols].contiguous(), scale.view(row_blocks, col_blocks).contiguous()
 
 
 

@@ -9,7 +9,8 @@ memory (a block-scaled grouped matmul is the next step).
 import torch
 from torch import nn
 
-from nanovllm.layers.fp8_linear import FP8_DTYPE, dequantize_blocks
+from nanovllm.quantization.e4m3 import FP8
+from nanovllm.quantization.fp8_linear import dequantize_blocks
 from nanovllm.utils.loader import check_shape
 
 
@@ -52,7 +53,7 @@ def prepare_experts(name: str, experts: nn.Module, block: tuple[int, int]) -> No
             ("gate_up_proj", experts.load_gate_up, (2 * inter_blocks, _blocks(hidden, block[1])), load_gate_up_scale),
             ("down_proj", experts.load_down, (_blocks(hidden, block[0]), _blocks(inter, block[1])), load_down_scale)):
         old = getattr(experts, attr)
-        weight = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), requires_grad=False)
+        weight = nn.Parameter(torch.empty(old.shape, dtype=FP8, device=old.device), requires_grad=False)
         weight.weight_loader, weight.checkpoint_names = _checked(loader), old.checkpoint_names
         setattr(experts, attr, weight)
         scale = nn.Parameter(torch.empty(num_experts, *scale_shape, dtype=torch.float32, device=old.device),
@@ -65,7 +66,7 @@ def prepare_experts(name: str, experts: nn.Module, block: tuple[int, int]) -> No
 
 def _checked(loader):
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
-        if loaded.dtype != FP8_DTYPE:
+        if loaded.dtype != FP8:
             raise ValueError(f"expected a float8_e4m3fn weight (config.json's quantization_config is fp8), "
                              f"found {loaded.dtype}")
         loader(param, loaded, shard_id)

@@ -1,7 +1,7 @@
 """An FP8 linear layer's input quantized in one kernel: e4m3 values and their float32 scales (amax / 448 of each
 row, or of each 128 columns of a row), written straight into the layout the scaled matmul reads, with the
-padding rows that cuBLAS's block-scaled kernel needs already zero. Without it each FP8 linear launched a
-compiled quantization, a pad copy and a scale-layout copy before its matmul (nanovllm/layers/fp8_linear.py).
+padding rows that cuBLAS's block-scaled kernel needs already zero: one launch before each FP8 matmul
+(fp8_linear.py) where a compiled quantization would add a pad copy and a scale-layout copy.
 
 The arithmetic is quantize_per_row / quantize_per_group's (fp8_linear.py): the scale is amax times the float32
 reciprocal of 448, values are divided by it correctly rounded and clamped to +-448, an all-zero group is scaled
@@ -11,16 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.attention.kv_quant import round_to_e4m3
-
-FP8_MAX = 448.0
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_FP8_MAX_RECIPROCAL = tl.constexpr(1.0 / FP8_MAX)
-
-
-@triton.jit
-def _group_scale(amax):
-    return tl.where(amax > 0, amax * _FP8_MAX_RECIPROCAL, 1.0)
+from nanovllm.quantization.e4m3 import FP8, dynamic_scale, saturate_to_e4m3
 
 
 @triton.jit
@@ -40,21 +31,21 @@ def _quantize_activations_kernel(x_ptr, x_stride, out_ptr, scale_ptr, scale_row_
             mask = start + columns < readable
             x = tl.load(x_row + start + columns, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = _group_scale(tl.max(amax, 0))
+        scale = dynamic_scale(tl.max(amax, 0))
         for start in range(0, COLS, GROUP):
             mask = start + columns < readable
             x = tl.load(x_row + start + columns, mask=mask, other=0.0).to(tl.float32)
-            y = tl.clamp(tl.math.div_rn(x, scale), -_FP8_MAX, _FP8_MAX)
-            tl.store(out_row + start + columns, round_to_e4m3(y).to(fp8), mask=start + columns < COLS)
+            y = saturate_to_e4m3(tl.math.div_rn(x, scale))
+            tl.store(out_row + start + columns, y.to(fp8), mask=start + columns < COLS)
         tl.store(scale_ptr + row * scale_row_stride, scale)
     else:  # a scale per GROUP columns (COLS is a multiple of GROUP), GROUPS of them per program
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         offsets = groups[:, None] * GROUP + columns[None, :]
         in_row = groups[:, None] < COLS // GROUP
         x = tl.load(x_row + offsets, mask=in_row & (offsets < readable), other=0.0).to(tl.float32)
-        scale = _group_scale(tl.max(tl.abs(x), 1))
-        y = tl.clamp(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX, _FP8_MAX)
-        tl.store(out_row + offsets, round_to_e4m3(y).to(fp8), mask=in_row)
+        scale = dynamic_scale(tl.max(tl.abs(x), 1))
+        y = saturate_to_e4m3(tl.math.div_rn(x, scale[:, None]))
+        tl.store(out_row + offsets, y.to(fp8), mask=in_row)
         tl.store(scale_ptr + row * scale_row_stride + groups * scale_group_stride, scale,
                  mask=groups < COLS // GROUP)
 
@@ -69,7 +60,7 @@ def quantize_activations(x: torch.Tensor, group: int | None,
     rows, cols = x.shape
     assert x.stride(1) == 1 and (group is None or cols % group == 0)
     padded = -(-rows // row_multiple) * row_multiple
-    out = torch.empty(padded, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    out = torch.empty(padded, cols, dtype=FP8, device=x.device)
     if group is None:
         scales = torch.empty(padded, 1, dtype=torch.float32, device=x.device)
         strides, block, groups, programs = (1, 0), min(1024, triton.next_power_of_2(cols)), 1, 1

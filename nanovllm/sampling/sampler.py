@@ -5,12 +5,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.bad_words import BadWordsMask, bad_words_mask
-from nanovllm.layers.gumbel_max import gumbel_max_sample
-from nanovllm.layers.penalties import PenaltyHistories, PenaltyTensors, has_penalties
-from nanovllm.layers.sampling_floors import logit_floors
 from nanovllm.outputs import Logprob
+from nanovllm.sampling.bad_words import BadWordsMask, bad_words_mask
+from nanovllm.sampling.floors import logit_floors
+from nanovllm.sampling.gumbel_max import gumbel_max_sample
+from nanovllm.sampling.penalties import PenaltyHistories, PenaltyTensors, has_penalties
+from nanovllm.sampling.rows import SamplingRow
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -31,7 +31,7 @@ class SamplingTensors:
     num_logprobs: int | None = None  # the largest k any row asked for (0: just the sampled token's)
     logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
     penalties: PenaltyTensors | None = None  # applied to the logits first
-    bad_words: BadWordsMask | None = None  # applied after the penalties (layers/bad_words.py)
+    bad_words: BadWordsMask | None = None  # applied after the penalties (sampling/bad_words.py)
 
     @property
     def filtered(self) -> bool:
@@ -51,14 +51,14 @@ class SamplerOutput:
 
 
 def gumbel_max_torch(logits: torch.Tensor, temperatures: torch.Tensor, floors: torch.Tensor | None = None,
-                     row_seeds: torch.Tensor | None = None) -> torch.Tensor:
-    """layers/gumbel_max.py's draw in torch ops (the CPU path): argmax(logits / T - log E) with E ~ Exp(1) over the
+                     row_seeds: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """sampling/gumbel_max.py's draw in torch ops (the CPU path): argmax(logits / T - log E) with E ~ Exp(1) over the
     logits at or above each row's floor is a draw from their softmax; temperature 0 rows take the plain argmax.
     A row with a seed (row_seeds >= 0) draws its noise from a generator keyed by it alone."""
     logits = logits.float()
     if floors is not None:
         logits = logits.masked_fill(logits < floors.unsqueeze(1), float("-inf"))
-    noise = torch.empty_like(logits).exponential_(1)
+    noise = torch.empty_like(logits).exponential_(1, generator=generator)
     if row_seeds is not None:
         for row, key in enumerate(row_seeds.tolist()):
             if key >= 0:
@@ -98,14 +98,26 @@ class Sampler(nn.Module):
 
     It owns sampling policy: `prepare` turns a batch's requests into SamplingTensors, `forward` samples."""
 
-    def __init__(self, eos_token_ids: Rows[int] = (), device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, eos_token_ids: Rows[int] = (), device: torch.device = torch.device("cpu"),
+                 seed: int | None = None) -> None:
         super().__init__()
+        # the engine's own stream for rows without a seed: other engines and user code in the process neither
+        # draw from it nor reseed it (a host generator: the GPU path draws one key per step from it)
+        self.generator = torch.Generator()
+        self.reseed(seed)
         self.eos_token_ids = tuple(eos_token_ids)
         self.device = device
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
         self.penalty_histories = PenaltyHistories(device)
 
-    def prepare(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
+    def reseed(self, seed: int | None) -> None:
+        """Restart the stream: from `seed`, or from fresh entropy when None."""
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def prepare(self, seqs: list[SamplingRow], fed_token_ids: torch.Tensor | None = None) -> SamplingTensors:
         """fed_token_ids: a decode step's input ids on the device (the tokens the penalties count last)."""
         params = [seq.params for seq in seqs]
         as_tensor = lambda values, dtype: to_device(np.array(values, dtype=dtype), self.device)  # noqa: E731
@@ -175,9 +187,9 @@ class Sampler(nn.Module):
     def _draw(self, logits: torch.Tensor, temperatures: torch.Tensor, floors: torch.Tensor | None,
               row_seeds: torch.Tensor | None) -> torch.Tensor:
         if not logits.is_cuda:
-            return gumbel_max_torch(logits, temperatures, floors, row_seeds)
+            return gumbel_max_torch(logits, temperatures, floors, row_seeds, self.generator)
         if self.counters is None or self.counters.numel() < logits.size(0) or self.counters.device != logits.device:
             self.counters = torch.zeros(max(512, logits.size(0)), dtype=torch.int32, device=logits.device)
-        # a fresh stream per step, drawn from torch's generator so torch.manual_seed makes runs repeatable
-        seed = int(torch.randint(0, 2**31 - 1, ()).item())
+        # a fresh stream per step, keyed from the engine's generator so its seed makes runs repeatable
+        seed = int(torch.randint(0, 2**31 - 1, (), generator=self.generator).item())
         return gumbel_max_sample(logits, temperatures, seed, self.counters, floors=floors, row_seeds=row_seeds)

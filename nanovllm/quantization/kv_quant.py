@@ -1,6 +1,6 @@
 """FP8 KV cache: keys and values stored as float8 e4m3 with one scale for a layer's keys and one for its values
 (per tensor, as vLLM, TensorRT-LLM and FlashInfer keep them): x ~= fp8 * scale. A scale is a plain number fixed
-before the cache is first written (attention/kv_scales.py says where it comes from), so readers fold it into the
+before the cache is first written (quantization/kv_scales.py says where it comes from), so readers fold it into the
 softmax scale and the output and multiply nothing per element.
 
 The torch functions here are the reference the Triton writers are tested against, and the CPU backend's own path.
@@ -9,9 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+from nanovllm.config import KV_CACHE_DTYPES
+from nanovllm.quantization.e4m3 import FP8, FP8_MAX, saturate_to_e4m3
 
 
 def check_kv_cache_dtype(name: str) -> None:
@@ -46,31 +45,8 @@ def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     return (x.float() * scale).to(dtype)
 
 
-_FP8_MAX = tl.constexpr(FP8_MAX)  # kernels read constexpr globals only
-
-
-@triton.jit
-def round_to_e4m3(y):
-    """float32 y, |y| <= 448, rounded to the nearest float8 e4m3 value (ties to even), still as float32.
-
-    The cast to float8 would do this itself on the GPU, but Triton's CPU interpreter rounds some values wrongly
-    (124.3 to 64), so the tests on CPU could not check the kernels; rounding first makes the cast exact
-    everywhere, for a few integer instructions per element in a kernel that is not the bottleneck."""
-    bits = y.to(tl.int32, bitcast=True)
-    # normal range: keep 3 of float32's 23 mantissa bits, rounding to nearest even (a carry moves the exponent)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    normal = bits.to(tl.float32, bitcast=True)
-    # below 2**-6 e4m3 is subnormal, multiples of 2**-9: adding 1.5 * 2**14 (whose float32 ulp is 2**-9) rounds
-    # the magnitude; the sign goes back on as a bit, so -0.0001 becomes -0.0 as torch's cast makes it
-    magnitude = (tl.abs(y) + 24576.0) - 24576.0
-    sign = y.to(tl.int32, bitcast=True) & -0x80000000
-    subnormal = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(y) < 0.015625, subnormal, normal)
-
-
 @triton.jit
 def to_fp8(x, inverse_scale, FP8_DTYPE: tl.constexpr):
     """The Triton side of quantize: x (any float dtype) times the layer's 1 / scale (a float32 argument), as
     float8."""
-    y = tl.clamp(x.to(tl.float32) * inverse_scale, -_FP8_MAX, _FP8_MAX)
-    return round_to_e4m3(y).to(FP8_DTYPE)
+    return saturate_to_e4m3(x.to(tl.float32) * inverse_scale).to(FP8_DTYPE)

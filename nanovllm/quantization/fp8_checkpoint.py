@@ -1,4 +1,4 @@
-"""The FP8 checkpoint format: what a config's quantization settings mean, and writing checkpoints in it.
+"""The FP8 checkpoint format, and what a checkpoint's quantization settings mean for loading it.
 
 The published layout (Qwen3-*-FP8 and others, read by vLLM and SGLang): config.json carries
 quantization_config {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -6,16 +6,13 @@ quantization_config {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": 
 `weight_scale_inv` [ceil(out/128), ceil(in/128)] (float32 or bf16) holds the factor each 128x128 block is multiplied
 by. Embeddings, norms and the modules named in modules_to_not_convert (lm_head) stay as stored.
 """
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
+from nanovllm.config import QUANTIZATION_METHODS
+from nanovllm.quantization.fp8_linear import BLOCK
 
-from nanovllm.layers.fp8_linear import BLOCK, quantize_per_group
-
-SUPPORTED_QUANTIZATION = ("fp8",)
+SUPPORTED_QUANTIZATION = QUANTIZATION_METHODS
 SCALE_SUFFIX = "weight_scale_inv"
-FP8_SUFFIX = "-FP8"  # random_checkpoint shape names: "Qwen3-8B-FP8" is Qwen3-8B in the published FP8 layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,47 +54,3 @@ def quantization_settings(option: str | None, hf_config) -> Fp8Settings | None:
                          f"two positive integers such as [128, 128] (per-tensor FP8 checkpoints are not read)")
     not_converted = tuple(stored.get("modules_to_not_convert") or ("lm_head",))
     return Fp8Settings(checkpoint=True, block=(block[0], block[1]), not_converted=not_converted)
-
-
-def split_fp8_shape(shape: str) -> tuple[str, bool]:
-    """'Qwen3-8B-FP8' -> ('Qwen3-8B', True); other names are returned as they are, with False."""
-    return (shape.removesuffix(FP8_SUFFIX), True) if shape.endswith(FP8_SUFFIX) else (shape, False)
-
-
-def fp8_quantization_config(block: int = BLOCK) -> dict:
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [block, block], "modules_to_not_convert": ["lm_head"]}
-
-
-def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
-    """A checkpoint tensor the published layout stores in FP8: a 2-D linear weight, not an embedding, a norm, the
-    head or a MoE router (mlp.gate, whose few outputs stay in bf16 as in the published MoE checkpoints)."""
-    skip = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")
-    return tensor.dim() == 2 and name.endswith(".weight") and not any(s in name for s in skip)
-
-
-def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [out, in] -> (e4m3 weight, float32 weight_scale_inv [ceil(out/block), ceil(in/block)])."""
-    rows, cols = weight.shape
-    padded = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32,
-                         device=weight.device)
-    padded[:rows, :cols] = weight.float()
-    row_blocks, col_blocks = padded.size(0) // block, padded.size(1) // block
-    # each block as one row of block*block values, so one per-row quantization gives one scale per block
-    tiles = padded.view(row_blocks, block, col_blocks, block).permute(0, 2, 1, 3).reshape(-1, block * block)
-    w8, scale = quantize_per_group(tiles, block * block)
-    w8 = w8.view(row_blocks, col_blocks, block, block).permute(0, 2, 1, 3).reshape(padded.shape)
-    return w8[:rows, :cols].contiguous(), scale.view(row_blocks, col_blocks).contiguous()
-
-
-def to_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]],
-                      block: int = BLOCK) -> Iterator[tuple[str, torch.Tensor]]:
-    """A checkpoint's (name, tensor) pairs in the published FP8 layout: each linear weight as e4m3, followed by its
-    weight_scale_inv; one tensor at a time, as random_checkpoint makes them."""
-    for name, tensor in weights:
-        if is_quantized_weight(name, tensor):
-            w8, scale = quantize_blockwise(tensor, block)
-            yield name, w8
-            yield name.removesuffix("weight") + SCALE_SUFFIX, scale
-        else:
-            yield name, tensor

@@ -16,21 +16,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers import fp8_linear
-from nanovllm.layers.fp8_experts import finish_experts, prepare_experts, stacked_experts
-from nanovllm.layers.fp8_fused import quantize_in_producers
-from nanovllm.layers.fp8_linear import FP8_DTYPE, Fp8Weight
-from nanovllm.layers.linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from nanovllm.utils.fp8_checkpoint import Fp8Settings, quantize_blockwise
+from nanovllm.quantization import fp8_linear
+from nanovllm.quantization.e4m3 import FP8
+from nanovllm.quantization.fp8_checkpoint import Fp8Settings
+from nanovllm.quantization.fp8_experts import finish_experts, prepare_experts, stacked_experts
+from nanovllm.quantization.fp8_fused import quantize_in_producers
+from nanovllm.quantization.fp8_linear import Fp8Weight, quantize_blockwise
 from nanovllm.utils.loader import ShardId, check_shape
 
 logger = logging.getLogger(__name__)
-Linear = ColumnParallelLinear | RowParallelLinear
+# layers/linear.py's column-parallel (tp_dim 0: output rows split, packed parts in output_parts()) and row-parallel
+# (tp_dim 1) layers, known by what they have rather than imported: layers/ sits above quantization/
+Linear = nn.Module
+
+
+def _parallel_linear(module: nn.Module) -> bool:
+    return hasattr(module, "fp8") and getattr(module, "tp_dim", None) in (0, 1)
 
 
 @dataclass(slots=True)
@@ -44,19 +45,9 @@ class _Part:
     block_offset: int  # in the packed scale
 
 
-def _column_parts(layer: ColumnParallelLinear) -> dict[ShardId, int]:
-    """Checkpoint rows of each part of a column-parallel layer, in packing order."""
-    if isinstance(layer, QKVParallelLinear):
-        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
-        return {"q": q, "k": kv, "v": kv}
-    if isinstance(layer, MergedColumnParallelLinear):
-        return dict(enumerate(layer.output_sizes))
-    return {None: layer.weight.size(0) * layer.tp_size}
-
-
-def _layout(name: str, layer: ColumnParallelLinear, block_rows: int) -> list[_Part]:
+def _layout(name: str, layer: Linear, block_rows: int) -> list[_Part]:
     parts, row_offset, block_offset = [], 0, 0
-    for shard_id, full_rows in _column_parts(layer).items():
+    for shard_id, full_rows in layer.output_parts().items():
         rows = full_rows // layer.tp_size
         if layer.tp_size > 1 and rows % block_rows:
             part = "" if shard_id is None else f" part {shard_id!r}"
@@ -81,7 +72,7 @@ def fp8_layers(model: nn.Module, settings: Fp8Settings) -> dict[str, Linear]:
         packed.setdefault(packed_name, []).append(checkpoint_name)
     layers = {}
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if not _parallel_linear(module):
             continue
         prefix, _, last = name.rpartition(".")
         names = [f"{prefix}.{part}" if prefix else part for part in packed.get(last, [last])]
@@ -101,11 +92,11 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
     plans = {}  # name -> (weight shape, device, parts): checked before anything changes
     for name, layer in layers.items():
         shape, device = layer.weight.shape, layer.weight.device
-        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1 and shape[1] % block_cols:
+        if layer.tp_dim == 1 and layer.tp_size > 1 and shape[1] % block_cols:
             raise ValueError(f"FP8 layer {name}: {shape[1] * layer.tp_size} input columns split over "
                              f"{layer.tp_size} ranks gives shards of {shape[1]} columns, not a multiple of the "
                              f"{block_cols}-column scale block; use a tensor_parallel_size that splits it on blocks")
-        parts = _layout(name, layer, block_rows) if isinstance(layer, ColumnParallelLinear) else None
+        parts = _layout(name, layer, block_rows) if layer.tp_dim == 0 else None
         plans[name] = (shape, device, parts)
     # every model-dtype weight goes before any e4m3 one is made: made one by one, each would be carved out of
     # the memory its predecessor just left, and those half-used regions could then not go to the KV cache
@@ -116,7 +107,7 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
     for name, layer in layers.items():
         shape, device, parts = plans[name]
         scale_rows = sum(-(-p.rows // block_rows) for p in parts) if parts else -(-shape[0] // block_rows)
-        layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), requires_grad=False)
         layer.weight.weight_loader = _fp8_weight_loader(layer.weight_loader)
         layer.weight_scale_inv = nn.Parameter(torch.empty(scale_rows, -(-shape[1] // block_cols),
                                                           dtype=torch.float32, device=device),
@@ -131,7 +122,7 @@ def prepare_fp8(model: nn.Module, settings: Fp8Settings) -> None:
 def _fp8_weight_loader(loader):
     def load(param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
         # copy_ would convert a bf16 tensor silently, and the scales would then scale it a second time
-        if loaded.dtype != FP8_DTYPE:
+        if loaded.dtype != FP8:
             raise ValueError(f"expected a float8_e4m3fn weight (config.json's quantization_config is fp8), "
                              f"found {loaded.dtype}")
         loader(param, loaded, *shard_id)
@@ -209,7 +200,7 @@ def _blocks_fit(layer: Linear) -> bool:
     """Whether 128x128 blocks tile this rank's weight with no block across two packed parts (q/k/v, gate/up),
     as the published checkpoints' blocks do."""
     rows, cols = layer.weight.shape
-    parts = [p // layer.tp_size for p in _column_parts(layer).values()] if isinstance(layer, ColumnParallelLinear) \
+    parts = [p // layer.tp_size for p in layer.output_parts().values()] if layer.tp_dim == 0 \
         else [rows]
     return cols % fp8_linear.BLOCK == 0 and all(p % fp8_linear.BLOCK == 0 for p in parts)
 
@@ -224,9 +215,9 @@ def _quantize_blockwise_in_slabs(weight: torch.Tensor, slab: int = 1024) -> tupl
 def _quantize_at_load(layers: dict[str, Linear], dtype: torch.dtype) -> dict[str, tuple[Fp8Weight, str]]:
     """quantization='fp8': each layer's weight in e4m3 (now its `weight`), as the device multiplies fastest.
 
-    Where block-scaled matmuls exist (Hopper), in 128x128 blocks: at decode's 16-256 rows, cuBLAS's block-wise
-    matmul with its 1x128 activation scales is up to 1.4x faster than the row-wise one (a Qwen3-8B layer on an
-    H200, docs/fp8_weights.md), and only 3-6% slower from 512 rows on; elsewhere one scale per output channel.
+    Where block-scaled matmuls exist (Hopper), in 128x128 blocks: at decode's batch sizes cuBLAS's block-wise
+    matmul with its 1x128 activation scales beats the row-wise one, and loses little on prefill
+    (docs/fp8_weights.md has the figures); elsewhere one scale per output channel.
     On a GPU the e4m3 weights wait in host memory until every model-dtype weight is gone: made one after another
     on the device, each would be carved out of the memory its predecessor just left, and those half-used regions
     could then not go to the KV cache."""

@@ -16,9 +16,9 @@ import time
 import torch
 from torch import nn
 
-from nanovllm.layers.fp8_activation import quantize_activations
-from nanovllm.layers.fp8_fused import GROUP, ROW_MULTIPLE, Fp8Input
-from nanovllm.layers.fp8_routes import FLASHINFER, ROUTES_ENV, active_routes, routed_rows
+from nanovllm.quantization.fp8_activation import quantize_activations
+from nanovllm.quantization.fp8_fused import GROUP, ROW_MULTIPLE, Fp8Input
+from nanovllm.quantization.fp8_routes import FLASHINFER, ROUTES_ENV, active_routes, routed_rows
 from nanovllm.utils.flashinfer import flashinfer_installed, require_flashinfer
 
 logger = logging.getLogger(__name__)

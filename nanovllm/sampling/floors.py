@@ -1,7 +1,7 @@
 """top-k, top-p and min-p as one logit floor per row.
 
 Each filter keeps exactly the tokens whose logit is at or above some value, so the sampler needs one number per
-row rather than a filtered copy of the logits (layers/gumbel_max.py draws above it). The definitions, applied in
+row rather than a filtered copy of the logits (sampling/gumbel_max.py draws above it). The definitions, applied in
 this order, each to what the one before left (vLLM's order):
 
 - top-k keeps the tokens at least as likely as the k-th most likely (a tie with the k-th stays in);

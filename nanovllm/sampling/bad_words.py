@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from nanovllm.engine.sequence import PENDING, Sequence
+from nanovllm.sampling.rows import PENDING, SamplingRow
 from nanovllm.utils.device import to_device
 
 
@@ -51,7 +51,7 @@ class BadWordsMask:
         return logits.index_put((self.rows, self.token_ids), penalty, accumulate=True)
 
 
-def bad_words_mask(seqs: list[Sequence], fed_token_ids: torch.Tensor | None,
+def bad_words_mask(seqs: list[SamplingRow], fed_token_ids: torch.Tensor | None,
                    device: torch.device) -> BadWordsMask | None:
     """The bans of one step (rows in the order of seqs), or None when it has none (no request has bad words)."""
     if not any(seq.bad_words_token_ids for seq in seqs):  # every step asks: the common answer comes first

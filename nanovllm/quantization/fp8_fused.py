@@ -2,14 +2,15 @@
 
 A block-scaled matmul reads e4m3 activations with one float32 scale per row and 128 columns (fp8_linear.py). Made
 by a separate kernel (fp8_activation.py), that input costs a launch, a read of the bf16 activations and a write
-of the e4m3 ones per matmul: on a Qwen3-8B bench run, 0.66 s of 12.5. Three of a decoder layer's four matmuls
+of the e4m3 ones per matmul (docs/PERFORMANCE.md measures it). Three of a decoder layer's four matmuls
 take the output of an op the engine runs anyway (RMSNorm before qkv and gate/up, SiLU-and-mul before down), so
 those ops write the e4m3 values and scales directly here, with the arithmetic of the unfused pair: the op's result
 rounded to the model dtype first, then quantize_per_group's scale (amax times the float32 reciprocal of 448, 1
 for an all-zero group) and division. The attention output before o_proj is still quantized by its own kernel.
 
 `Fp8Input` carries the result to the linear layer, which then skips its own quantization (fp8_linear.py).
-layers/fp8_model.py turns this on per op, only where the consumer is a block-scaled FP8 layer.
+quantize_in_producers (below, called by fp8_model.finish_fp8) turns this on per op, only where the consumer is a
+block-scaled FP8 layer.
 """
 from dataclasses import dataclass
 
@@ -18,13 +19,11 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.attention.kv_quant import round_to_e4m3
+from nanovllm.quantization.e4m3 import FP8, dynamic_scale, saturate_to_e4m3
 
 GROUP = 128  # activation columns per scale: the block-scaled matmul's
 ROW_MULTIPLE = 4  # cuBLAS's block-scaled kernel wants the scales' row count a multiple of 4
 _GROUP = tl.constexpr(GROUP)
-_FP8_MAX = tl.constexpr(448.0)
-_FP8_MAX_RECIPROCAL = tl.constexpr(1.0 / 448.0)
 
 
 @dataclass(slots=True)
@@ -50,8 +49,8 @@ def _round_to_bf16(x):
 def _quantize_groups(y, out_rows, scale_rows, scale_group_stride, groups, group_mask, fp8):
     # y [GROUPS, 128] float32 (already rounded to the model dtype): one scale per row of it
     amax = tl.max(tl.abs(y), 1)
-    scale = tl.where(amax > 0, amax * _FP8_MAX_RECIPROCAL, 1.0)
-    codes = round_to_e4m3(tl.clamp(tl.math.div_rn(y, scale[:, None]), -_FP8_MAX, _FP8_MAX))
+    scale = dynamic_scale(amax)
+    codes = saturate_to_e4m3(tl.math.div_rn(y, scale[:, None]))
     columns = tl.arange(0, _GROUP)
     tl.store(out_rows + groups[:, None] * _GROUP + columns[None, :], codes.to(fp8), mask=group_mask[:, None])
     tl.store(scale_rows + groups * scale_group_stride, scale, mask=group_mask)
@@ -98,7 +97,7 @@ def _silu_and_mul_quantize_kernel(x_ptr, x_stride, out_ptr, scale_ptr, scale_gro
 
 def _outputs(rows: int, cols: int, like: torch.Tensor) -> Fp8Input:
     padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-    values = torch.empty(padded, cols, dtype=torch.float8_e4m3fn, device=like.device)
+    values = torch.empty(padded, cols, dtype=FP8, device=like.device)
     scales = torch.empty_strided((padded, cols // GROUP), (1, padded), dtype=torch.float32, device=like.device)
     return Fp8Input(values, scales, rows, like.dtype)
 

@@ -10,7 +10,8 @@ appends the token it feeds on the device, where it is even before the host has r
 So a decode step sends the device a few numbers per row, not the histories.
 
 On the GPU one Triton kernel does a step's whole penalty work (append, count, rewrite the seen logits): a decode
-step's host time is on the critical path, and the same work as a chain of ~30 torch ops cost 8% of throughput.
+step's host time is on the critical path, and the same work as a chain of ~30 torch ops costs host launches
+(docs/PERFORMANCE.md compares the designs).
 """
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling.rows import SamplingRow
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -138,7 +139,7 @@ class PenaltyHistories:
         self.owner: list[int | None] = []  # row -> seq_id
         self.filled: dict[int, int] = {}  # seq_id -> tokens its row holds
 
-    def tensors(self, seqs: list[Sequence], fed_token_ids: torch.Tensor | None) -> PenaltyTensors:
+    def tensors(self, seqs: list[SamplingRow], fed_token_ids: torch.Tensor | None) -> PenaltyTensors:
         """fed_token_ids: a decode step's input ids on the device; each is appended to its row's history."""
         in_step = {seq.seq_id for seq in seqs}
         penalised = [has_penalties(seq.params) for seq in seqs]
@@ -202,7 +203,7 @@ class PenaltyHistories:
             table[:old_rows - 1, :old_width] = self.table[:old_rows - 1]
         self.table = table
 
-    def _copy_histories(self, seqs: list[Sequence], lengths: list[int], rows: np.ndarray) -> None:
+    def _copy_histories(self, seqs: list[SamplingRow], lengths: list[int], rows: np.ndarray) -> None:
         tokens = np.concatenate([np.asarray(seq.token_ids[:n], dtype=np.int32) for seq, n in zip(seqs, lengths)])
         starts = np.repeat(rows.astype(np.int64) * self.table.size(1), lengths)
         offsets = np.arange(len(tokens)) - np.repeat(np.cumsum(lengths) - lengths, lengths)

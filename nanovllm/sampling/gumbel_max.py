@@ -6,7 +6,7 @@ small batch still fills the GPU; the last chunk of a row to finish picks the row
 
 Two per-row options keep every sampling setting on this one pass:
 - a floor: logits below it are out of the draw. top-k, top-p and min-p all keep exactly the tokens at or above
-  some logit (layers/sampling_floors.py finds it), and a Gumbel-max draw over the kept tokens is a draw from
+  some logit (sampling/floors.py finds it), and a Gumbel-max draw over the kept tokens is a draw from
   their renormalised softmax.
 - a seed: the row's noise is then keyed by (seed, vocabulary id) alone, so the batch around it, its row and the
   CUDA graph size cannot change its token; unseeded rows share the step's seed, keyed by row.
@@ -18,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def _log2(x, HARDWARE_LOG: tl.constexpr):
-    if HARDWARE_LOG:  # the bare lg2.approx instruction: 1.7x faster than tl.log2 at 256 rows (GPU only)
+    if HARDWARE_LOG:  # the bare lg2.approx instruction (GPU only): Gumbel noise needs no more precision
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     else:

@@ -37,6 +37,10 @@ def kv_scale_name(name: str) -> tuple[int, str] | None:
     return None
 
 
+def is_kv_scale(name: str) -> bool:
+    return kv_scale_name(name) is not None
+
+
 def checkpoint_kv_scales(tensors: dict[str, torch.Tensor], num_layers: int) -> list[tuple[float, float]] | None:
     """Each layer's (key scale, value scale) from the checkpoint's KV-scale tensors, or None when it has none.
     A checkpoint that has them for some layers only, or holds a scale that is not one positive finite number,

@@ -4,7 +4,7 @@ Two kernels read the published checkpoints' layout (e4m3 weights with 128x128 sc
 the engine in 1x128 groups, the same codes for both):
 - "cublas": torch's F.scaled_mm, BlockWise1x128 x BlockWise128x128 (fp8_linear.py);
 - "flashinfer": FlashInfer's fp8_blockscale_gemm_sm90 (TensorRT-LLM's DeepGEMM kernels, operands swapped below
-  32 rows), Hopper only, for layers with out % 64 == 0 and in % 128 == 0 (layers/fp8_flashinfer.py).
+  32 rows), Hopper only, for layers with out % 64 == 0 and in % 128 == 0 (quantization/fp8_flashinfer.py).
 Weights with one scale per output channel (row-wise) have one kernel, torch._scaled_mm; a block-scaled weight
 cannot take it without a second rounding, so it is measured beside these (benchmarks/microbench_fp8_gemm.py) but
 not routed to.

@@ -1,0 +1,25 @@
+"""What sampling reads of each request in a batch. Declared here, rather than taken from the engine's Sequence
+(engine/sequence.py, which has these fields), so sampling imports nothing from the engine above it."""
+from typing import Protocol
+
+from nanovllm.sampling_params import SamplingParams
+
+# a sampled token the host has not read back yet: with async scheduling a step is prepared while the one before
+# it, whose token a request feeds, is still on the device
+PENDING = -1
+
+
+class SamplingRow(Protocol):
+    seq_id: int
+    params: SamplingParams
+    token_ids: list[int]  # the prompt, then the tokens generated so far (the newest may be PENDING)
+    num_prompt_tokens: int
+    bad_words_token_ids: list[list[int]]  # params.bad_words as token sequences
+
+    def __len__(self) -> int: ...
+
+    @property
+    def num_completion_tokens(self) -> int: ...
+
+    @property
+    def completion_token_ids(self) -> list[int]: ...
