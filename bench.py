@@ -93,7 +93,7 @@ def main() -> None:
     print(f"device: {device}, date: {date.today()}, model: {path}, startup: {startup:.1f} s, "
           f"KV blocks: {llm.model_runner.num_kvcache_blocks} ({args.kv_cache_dtype}), "
           f"attention: {llm.model_runner.backend.name}, workload: {args.workload}, "
-          f"weights: {'fp8' if llm.model_runner.config.fp8 else 'model dtype'}")
+          f"weights: {'fp8' if llm.model_runner.fp8 else 'model dtype'}")
     if args.runs > 1 or args.profile:
         print("runs after the first use fresh random token ids (same prompt and output lengths), "
               "so they get no prefix-cache hits from earlier runs")
