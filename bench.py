@@ -20,6 +20,7 @@ from random import Random, randint, seed
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.attention import BACKEND_NAMES
 from nanovllm.utils.random_checkpoint import SHAPE_NAMES, default_checkpoint
 
 # prompt lengths uniform in [min_input_len, max_input_len], output lengths likewise
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--attention-backend", default=None, choices=["triton", "flash_attn", "torch"],
+    parser.add_argument("--attention-backend", default=None, choices=BACKEND_NAMES,
                         help="default: the fastest for the device")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
     parser.add_argument("--quantization", default=None, choices=["fp8"],

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # the values the string options take (vLLM's names)
-ATTENTION_BACKENDS = ("triton", "flash_attn", "torch")
+ATTENTION_BACKENDS = ("triton", "flash_attn", "flashinfer", "torch")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 QUANTIZATION_METHODS = ("fp8",)
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
@@ -88,8 +88,8 @@ class Config:
                              f"('auto': the model's dtype)")
         dtype = check_dtype(self.dtype)  # None for "auto": the checkpoint's, known once its config is read
         if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' (or None) "
-                             f"on the GPU: flash-attn's paged decode cannot read an FP8 cache")
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention_backend 'triton' or "
+                             f"'flashinfer' (or None) on the GPU: flash-attn's paged decode cannot read an FP8 cache")
         self.model = resolve_model(self.model)  # a local folder, or a hub id through the Hugging Face cache
         check_no_remote_code(self.model)  # before transformers, which would ask to run the checkpoint's code
         self.hf_config = AutoConfig.from_pretrained(self.model)

@@ -31,7 +31,7 @@ ENGINE_FLAGS: dict[str, tuple[type, str]] = {
     "num_kvcache_blocks": (int, "KV-cache blocks to allocate, as vLLM's --num-gpu-blocks-override (default: "
                                 "{default}, as many as the memory budget holds)"),
     "attention_backend": (str, "how attention reads the KV cache (default: the fastest for the device: triton "
-                               "on CUDA, torch on CPU)"),
+                               "on CUDA, torch on CPU; flashinfer needs the flashinfer extra)"),
     "max_logprobs": (int, "the most logprobs a request may ask for (default: {default})"),
     "kv_cache_dtype": (str, "auto: the model's dtype; fp8 (= fp8_e4m3): K and V in float8 e4m3 with one scale "
                             "per layer for each, about twice the blocks (default: {default})"),

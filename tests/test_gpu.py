@@ -10,6 +10,7 @@ import torch
 from hf_reference import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -17,9 +18,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096)
 
 
-@pytest.fixture(scope="module", params=["triton", "flash_attn"])
+@pytest.fixture(scope="module", params=["triton", "flash_attn", pytest.param("flashinfer", marks=pytest.mark.skipif(
+        not flashinfer_installed(), reason=f"FlashInfer is not installed ({INSTALL})"))])
 def backend(request) -> str:
-    """Every acceptance test runs on both GPU attention backends."""
+    """Every acceptance test runs on each GPU attention backend."""
     return request.param
 
 

@@ -2,8 +2,9 @@
 float32 (as tests/test_gpu.py scores the engine) in the eager, CUDA-graph, prefix-cache, tiny-KV (preemption)
 and chunked-prefill modes, and the capacity the FP8 cache gains.
 
-Each mode runs the same prompts with kv_cache_dtype 'auto' (bf16) and 'fp8' on the triton backend and prints
-one table: tokens, share that are the float32 argmax, mean and worst float32 logit gap.
+Each mode runs the same prompts with kv_cache_dtype 'auto' (bf16) and 'fp8' on each backend that reads an FP8
+cache (triton; flashinfer where installed) and prints one table per backend: tokens, share that are the float32
+argmax, mean and worst float32 logit gap.
 
 FP8 rows carry 3 mantissa bits against bf16's 7, and this random 28-layer network is chaotic, so how far FP8
 may fall behind bf16 is not a number to guess: the bar comes from transformers in float32 with the same
@@ -19,12 +20,13 @@ from hf_reference import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.quantization.kv_quant import dequantize, quantize
+from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 LONGER = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096, attention_backend="triton")
+ENGINE = dict(gpu_memory_utilization=0.45, max_model_len=4096)
 KV_DTYPES = ("auto", "fp8")
 MODES = ("graph", "eager", "prefix-cache", "tiny-KV", "chunked-prefill")
 MARGIN = 0.25  # logits: a token this close to the float32 argmax is a near-tie, not an error
@@ -37,6 +39,13 @@ CHECKPOINT_STDS = (0.05, 0.02)
 
 @pytest.fixture(scope="module", params=CHECKPOINT_STDS, ids=[f"std{std}" for std in CHECKPOINT_STDS])
 def checkpoint_std(request) -> float:
+    return request.param
+
+
+@pytest.fixture(scope="module", params=["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
+    not flashinfer_installed(), reason=f"FlashInfer is not installed ({INSTALL})"))])
+def backend(request) -> str:
+    """The backends that read an FP8 cache: each runs every mode, bf16 and FP8."""
     return request.param
 
 
@@ -111,11 +120,12 @@ def score(hf_float32, prompts, outputs, emulated=None) -> dict:
     return result
 
 
-def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
+def run_modes(model_path: str, kv_cache_dtype: str, backend: str) -> tuple[dict, dict]:
     """Each mode's (prompts, outputs, the engine's FP8 scales) with this KV cache dtype, and the KV block count
     at ENGINE's budget."""
     runs = {}
-    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, **ENGINE) as llm:
+    engine = dict(ENGINE, attention_backend=backend)
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, **engine) as llm:
         blocks = llm.model_runner.num_kvcache_blocks
         scales = llm.model_runner.kv_scales
         prompts = mixed_prompts()
@@ -135,9 +145,9 @@ def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
         assert all(n >= 1024 for n in hits), hits
         runs["prefix-cache"] = (shared, first + second, scales)
         assert_no_leaks(llm)
-    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **ENGINE) as llm:
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, enforce_eager=True, **engine) as llm:
         runs["eager"] = (prompts, llm.generate(prompts, GREEDY, use_tqdm=False), llm.model_runner.kv_scales)
-    tiny = dict(ENGINE, gpu_memory_utilization=0.9)
+    tiny = dict(engine, gpu_memory_utilization=0.9)
     with LLM(model_path, kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=24, **tiny) as llm:
         preempted = []
         preempt = llm.scheduler._preempt
@@ -146,21 +156,21 @@ def run_modes(model_path: str, kv_cache_dtype: str) -> tuple[dict, dict]:
                            llm.model_runner.kv_scales)
         assert preempted, "24 blocks were meant to be too few for 24 sequences"
         assert_no_leaks(llm)
-    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=512, **ENGINE) as llm:
+    with LLM(model_path, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=512, **engine) as llm:
         runs["chunked-prefill"] = (prompts[:24], llm.generate(prompts[:24], LONGER, use_tqdm=False),
                                    llm.model_runner.kv_scales)
     return runs, blocks
 
 
 @pytest.fixture(scope="module")
-def results(checkpoint_std, model_path, hf_float32, hf_fp8_emulated) -> dict:
+def results(checkpoint_std, backend, model_path, hf_float32, hf_fp8_emulated) -> dict:
     table, blocks = {}, {}
     for dtype in KV_DTYPES:
-        runs, blocks[dtype] = run_modes(model_path, dtype)
+        runs, blocks[dtype] = run_modes(model_path, dtype, backend)
         for mode, (prompts, outputs, scales) in runs.items():
             hf_fp8_emulated.kv_scales = scales
             table[mode, dtype] = score(hf_float32, prompts, outputs, hf_fp8_emulated if dtype == "fp8" else None)
-    print(f"\ncheckpoint std {checkpoint_std}")
+    print(f"\ncheckpoint std {checkpoint_std}, {backend} backend")
     print(f"| mode | KV cache | tokens | float32 argmax | within {MARGIN} | mean gap | worst gap | "
           f"emulated FP8: argmax, mean gap |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

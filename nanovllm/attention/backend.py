@@ -1,12 +1,16 @@
 """The attention backend interface: how a layer's new keys and values reach the paged KV cache, and how its
 queries read them back. One backend object serves every layer of a model; it is chosen once at startup."""
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nanovllm.quantization.kv_quant import FP8
 from nanovllm.utils.context import Context
+
+if TYPE_CHECKING:
+    from nanovllm.attention.kv_cache import KVCacheLayout
 
 
 @dataclass
@@ -37,6 +41,15 @@ class AttentionBackend:
 
     def bind(self, num_kv_heads: int, max_num_seqs: int, device: torch.device) -> None:
         """Allocate per-engine scratch once the cache exists (before CUDA-graph capture)."""
+
+    def warm_up(self, layout: "KVCacheLayout", num_heads: int, dtype: torch.dtype) -> float:
+        """Compile or load, at start-up (after bind, before CUDA-graph capture), any kernel the backend would
+        otherwise build at first use, mid-run; num_heads: this rank's query heads. Returns the seconds it took."""
+        return 0.0
+
+    def begin_forward(self, context: Context) -> None:
+        """Derive, once per forward pass, what every layer's attention reads from the pass's context (the model
+        calls it first, so a CUDA graph's capture records it with the layers)."""
 
     def rope_and_store(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        rope: nn.Module, qk_norms: tuple[nn.Module, nn.Module] | None, cache: LayerKV | None,

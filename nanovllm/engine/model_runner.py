@@ -18,10 +18,12 @@ from nanovllm.models import model_class
 from nanovllm.models.decoder import head_dim
 from nanovllm.quantization import (
     checkpoint_kv_scales,
+    describe_routes,
     finish_fp8,
     is_kv_scale,
     kv_cache_dtype,
     measured_kv_scales,
+    prepare_flashinfer_gemm,
     prepare_fp8,
     quantization_settings,
 )
@@ -51,7 +53,10 @@ class ModelRunner:
         self.rank = rank
         self.use_cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", rank) if self.use_cuda else torch.device("cpu")
-        self.backend = make_attention_backend(config.attention_backend, self.use_cuda)
+        self.backend = make_attention_backend(config.attention_backend, self.use_cuda, config.kv_cache_dtype != "auto")
+        if rank == 0:
+            logger.info("attention backend: %s (%s)", self.backend.name, "attention_backend" if
+                        config.attention_backend else "the default for this device and KV cache dtype")
         if self.use_cuda:
             torch.cuda.set_device(self.device)
         else:
@@ -81,6 +86,11 @@ class ModelRunner:
             self.fp8_summary = finish_fp8(self.model, self.fp8, self.dtype)
             if rank == 0:
                 logger.info("FP8 weights: %s", self.fp8_summary.describe())
+            # FlashInfer's matmuls compile per shape at first use: now, before any timed or captured pass
+            seconds = prepare_flashinfer_gemm(self.model, max(config.max_num_batched_tokens, config.max_num_seqs))
+            if seconds is not None and rank == 0:
+                logger.info("FP8 matmuls routed to FlashInfer below some batch sizes (%s): kernels compiled or "
+                            "loaded in %.1f s", describe_routes(), seconds)
         self.sampler = Sampler(config.eos_token_ids, self.device)
         self.kv_layout = KVCacheLayout(hf_config.num_hidden_layers, self.block_size,
                                        hf_config.num_key_value_heads // self.tp.size, head_dim(hf_config),
@@ -111,6 +121,9 @@ class ModelRunner:
         reach("warmed up")
         lap("warmup and compile")
         self.allocate_kv_cache()
+        seconds = self.backend.warm_up(self.kv_layout, hf_config.num_attention_heads // self.tp.size, self.dtype)
+        if seconds and rank == 0:
+            logger.info("%s attention kernels compiled or loaded in %.1f s", self.backend.name, seconds)
         reach("allocated")
         lap("KV cache")
         self.graphs = None

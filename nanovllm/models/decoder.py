@@ -13,6 +13,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from nanovllm.utils.context import get_context
 from nanovllm.utils.parallel import TensorParallelGroup
 
 
@@ -124,6 +125,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         tp = tp or TensorParallelGroup()
         backend = backend or make_attention_backend("torch", use_cuda=False)
+        self.backend = backend
         qkv_bias, o_bias = self.attention_biases(config)
         rope = rope_parameters(config)
         # one cos/sin table for all layers (at Llama 3.1's 131,072 positions it is 64 MiB)
@@ -137,6 +139,7 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.backend.begin_forward(get_context())
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -20,7 +20,9 @@ import torch.nn.functional as F
 
 from nanovllm.quantization.e4m3 import FP8, FP8_MAX, FP8_MAX_RECIPROCAL
 from nanovllm.quantization.fp8_activation import quantize_activations
+from nanovllm.quantization.fp8_flashinfer import flashinfer_block_mm
 from nanovllm.quantization.fp8_fused import Fp8Input
+from nanovllm.quantization.fp8_routes import FLASHINFER, Routes, kernel_for
 
 BLOCK = 128  # the published checkpoints' weight_block_size, and the activation group of the block-wise matmul
 # Rows (tokens) below which a layer multiplies a bf16 copy of its weight instead: 0 keeps FP8 for every batch.
@@ -51,13 +53,17 @@ class Fp8Weight:
 
     channel: scale [out] float32. block: scale [ceil(out/128), ceil(in/128)] float32, the weight being
     weight * scale block by block (the checkpoints' weight_scale_inv). On the GPU `kernel_scale` holds the scale in
-    the layout the scaled matmul wants; `dense` is the bf16 copy used below BF16_BELOW_ROWS, if any."""
+    the layout the scaled matmul wants; `dense` is the bf16 copy used below BF16_BELOW_ROWS, if any. A block-scaled
+    weight that FlashInfer's kernel runs for some batch sizes (fp8_routes.py) has `routes` and `flashinfer_scale`
+    (the block scales as float32, contiguous), set at start-up by fp8_flashinfer.prepare_flashinfer_gemm."""
 
     weight: torch.Tensor
     scale: torch.Tensor
     mode: str  # "channel" or "block"
     kernel_scale: torch.Tensor | None = None  # None: no FP8 matmul on this device, emulate
     dense: torch.Tensor | None = None
+    routes: Routes = ()
+    flashinfer_scale: torch.Tensor | None = None
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, bool]:
@@ -159,6 +165,8 @@ def _scaled_mm_channel(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 def _scaled_mm_block(x: torch.Tensor | Fp8Input, weight: Fp8Weight) -> torch.Tensor:
+    if weight.routes and kernel_for(x.rows if isinstance(x, Fp8Input) else x.size(0), weight.routes) == FLASHINFER:
+        return flashinfer_block_mm(x, weight)
     if isinstance(x, Fp8Input):  # quantized by the op that made it (fp8_fused.py)
         rows, x8, x_scale = x.rows, x.values, x.scales
     else:
