@@ -77,10 +77,14 @@ def main() -> None:
     rng = Random(0)
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     for mode in modes:
+        start = time.perf_counter()
         run(llm, rng, mode, args.warmup_requests or args.requests, max_id)  # untimed: compiles what it needs
-    for _ in range(args.rounds):
+        print(f"{mode}: untimed run {time.perf_counter() - start:.1f} s", flush=True)
+    for round_ in range(args.rounds):
         for mode in modes:
             rates[mode].append(run(llm, rng, mode, args.requests, max_id))
+            # as it goes, so a run cut short still leaves its figures
+            print(f"{mode}: round {round_ + 1}: {rates[mode][-1]:,.0f} output tok/s", flush=True)
     llm.exit()
     plain = statistics.median(rates["plain"]) if "plain" in rates else None
     lines = ["| sampling | output tok/s (median) | runs | vs plain |", "| --- | --- | --- | --- |"]
