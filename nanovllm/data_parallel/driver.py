@@ -84,7 +84,9 @@ class DataParallel:
         # every replica is asked for at once, before the driver's own tokenizer: they all start meanwhile
         self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options,
                                  **({"fork": True} if fork and backend == "mp" else {}))
-        self.startup.lap("replicas launched" if backend == "mp" else "Ray and replicas launched")
+        spawned = getattr(self.replicas, "spawn_reason", "")
+        self.startup.lap(("replicas launched" + (f", spawned: {spawned}" if spawned else "")) if backend == "mp"
+                         else "Ray and replicas launched")
         self.held = [Held(name) for name in self.replicas.names]
         self._clean = False
         try:

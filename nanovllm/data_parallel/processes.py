@@ -98,10 +98,18 @@ def check_devices(devices: str | None, name: str) -> None:
 def start_method(fork: bool) -> str:
     """"fork" where asked for and safe here (Linux, no other Python thread that could hold a lock the replica
     needs, the CUDA driver not initialised in this process), else "spawn"."""
-    if fork and sys.platform.startswith("linux") and "fork" in get_all_start_methods() \
-            and threading.active_count() == 1 and not cuda_driver_initialised():
-        return "fork"
-    return "spawn"
+    return "spawn" if not fork or why_not_fork() else "fork"
+
+
+def why_not_fork() -> str:
+    """Why a fork would not be safe in this process now ("" where it is), for the start-up line."""
+    if not sys.platform.startswith("linux") or "fork" not in get_all_start_methods():
+        return f"no safe fork on {sys.platform}"
+    if threading.active_count() != 1:
+        return f"{threading.active_count() - 1} other thread(s) running: {[t.name for t in threading.enumerate()][:4]}"
+    if cuda_driver_initialised():
+        return "the CUDA driver is initialised in this process"
+    return ""
 
 
 def _replica_main(conn: connection.Connection, engine_class: type, model: str, options: dict,
@@ -136,7 +144,10 @@ class ProcessReplicas:
     forking them where it is safe (see the module's docstring)."""
 
     def __init__(self, replicas: int, engine_class: type, model: str, options: dict, fork: bool = False) -> None:
+        before = why_not_fork() if fork else ""
         devices = device_groups(replicas, options.get("tensor_parallel_size", 1), visible_gpus())
+        # why replicas are spawned although a fork was allowed, for the start-up line ("" when forked or not asked)
+        self.spawn_reason = (before or f"{why_not_fork()} (by counting the GPUs)") if fork and why_not_fork() else ""
         threads = None
         if devices[0] is None and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // replicas)
