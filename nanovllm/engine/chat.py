@@ -51,15 +51,21 @@ def normalize_message(message: object, where: str = "message") -> dict:
     return {**message, "content": content}
 
 
+TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal"}  # part type -> its text's key, as vLLM
+
+
 def _text_part(part: object, where: str) -> str:
+    if isinstance(part, str):  # vLLM takes a bare string as a text part
+        return part
     if not isinstance(part, dict) or "type" not in part:
         raise TypeError(f"{where} is {part!r}, not a {{'type': 'text', 'text': ...}} part")
-    if part["type"] != "text":
-        raise ValueError(f"{where} has type {part['type']!r}: this engine runs text-only models, so only 'text' "
-                         f"parts are supported")
-    if not isinstance(part.get("text"), str):
-        raise TypeError(f"{where} has text {part.get('text')!r}, not a string")
-    return part["text"]
+    if part["type"] not in TEXT_PARTS:
+        raise ValueError(f"{where} has type {part['type']!r}: this engine runs text-only models, so only text "
+                         f"parts ({sorted(TEXT_PARTS)}) are supported")
+    text = part.get(TEXT_PARTS[part["type"]])
+    if not isinstance(text, str):
+        raise TypeError(f"{where} has {TEXT_PARTS[part['type']]} {text!r}, not a string")
+    return text
 
 
 def render(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, chat_template: str | None = None,

@@ -19,7 +19,7 @@ def check_main_guard() -> None:
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
-    if frame is None:  # called from a function: the guard may be anywhere above it, and the worker never gets here
+    if frame is None:  # not under the main script's top-level code (a thread, an import hook): nothing to judge
         return
     try:
         with open(path, encoding="utf-8", errors="replace") as f:

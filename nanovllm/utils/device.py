@@ -34,8 +34,8 @@ def free_cpu_cores(processes: int = 1) -> int:
 
 def cap_cpu_threads(processes: int = 1) -> int:
     """Lower torch's CPU threads to the free cores (never raise them), unless OMP_NUM_THREADS chose a number:
-    threads beyond the idle cores wait on one another, which made decode steps 10-50 times slower on a busy
-    machine. Returns the number in force."""
+    threads beyond the idle cores wait on one another at every parallel op, and a step's many small ops then take
+    many times longer. Returns the number in force."""
     if "OMP_NUM_THREADS" not in os.environ:
         threads = min(torch.get_num_threads(), free_cpu_cores(processes))
         if threads != torch.get_num_threads():

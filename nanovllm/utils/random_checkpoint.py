@@ -179,9 +179,9 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
     fp8=True, or a shape name ending in -FP8 (Qwen3-8B-FP8), writes the same weights in the published FP8 layout
     (nanovllm/quantization/fp8_checkpoint.py): block-quantized e4m3 linear weights with their weight_scale_inv.
 
-    A folder that already holds a checkpoint (config.json or weight files) is refused with FileExistsError unless
-    overwrite=True, which first removes its config and weight files: a real model's folder given by mistake keeps
-    its weights."""
+    A folder that already holds a checkpoint (config.json or weight files) is refused with FileExistsError, so a
+    real model's folder given by mistake keeps its weights; overwrite=True first removes its config and weight
+    files. The files written get the umask's mode; other files in the folder are left as they are."""
     from nanovllm.utils.quantized_checkpoint import fp8_quantization_config, to_fp8_checkpoint
 
     shape, fp8_shape = split_fp8_shape(shape)
@@ -193,6 +193,7 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
                               f"or pass overwrite=True (--overwrite) to replace it")
     for name in existing:  # stale shards of another shape would otherwise stay beside the new ones
         os.remove(os.path.join(path, name))
+    others = set(os.listdir(path)) if os.path.isdir(path) else set()  # the user's files: their modes stay
     with _removed_on_failure(path):
         # tiny models get a wider spread, so greedy tokens are separated by clear logit margins
         std = std if std is not None else (0.1 if shape == "tiny" else 0.02)
@@ -205,7 +206,7 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
         write_tokenizer(path, config["vocab_size"])
-        _readable_like_other_files(path)
+        _readable_like_other_files(path, skip=others)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
     return path
@@ -217,12 +218,12 @@ def existing_checkpoint_files(path: str) -> list[str]:
                    for found in glob.glob(os.path.join(glob.escape(path), pattern))})
 
 
-def _readable_like_other_files(path: str) -> None:
+def _readable_like_other_files(path: str, skip: set[str]) -> None:
     """Give every written file the mode a plain open() gives under the umask (the weight writer makes them
     owner-only), so a checkpoint shared with other users or containers can be read by them."""
     umask = os.umask(0)
     os.umask(umask)
-    for name in os.listdir(path):
+    for name in set(os.listdir(path)) - skip:
         full = os.path.join(path, name)
         if os.path.isfile(full):
             os.chmod(full, 0o666 & ~umask)
