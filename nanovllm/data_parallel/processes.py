@@ -147,11 +147,12 @@ class ProcessReplicas:
         before = why_not_fork() if fork else ""
         devices = device_groups(replicas, options.get("tensor_parallel_size", 1), visible_gpus())
         # why replicas are spawned although a fork was allowed, for the start-up line ("" when forked or not asked)
-        self.spawn_reason = (before or f"{why_not_fork()} (by counting the GPUs)") if fork and why_not_fork() else ""
+        after = why_not_fork() if fork else ""
+        self.spawn_reason = (before or f"{after} (by counting the GPUs)") if after else ""
         threads = None
         if devices[0] is None and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // replicas)
-        self.start_method = start_method(fork)
+        self.start_method = "fork" if fork and not after else "spawn"
         ctx = get_context(self.start_method)
         self.conns: list[connection.Connection] = []
         self.processes = []
