@@ -59,7 +59,7 @@ def _plan(rows_ptr, temperatures_ptr, top_p_ptr, scratch_ptr, vocab, ROW: tl.con
     groups = tl.reshape(groups, [MAX_CHUNKS * TILE_R])
     bottom = tl.full([], float("-inf"), tl.float32)
     k = _smallest_key(_key(groups, 16), tl.exp2((groups - top) * scale), 0.0, top_p * total * 1.0001,
-                      _key(bottom, 16).to(tl.int64), _key(top, 16).to(tl.int64))
+                      _key(bottom, 16).to(tl.int64), _key(top, 16).to(tl.int64), 16)
     lo = _above(k - 1, 16)
     low = tl.where(running, tl.min(tl.load(parts + 2, mask=scanned, other=float("inf")), axis=0), 0.0)
     t1, t2, t3, t4 = _thresholds(scratch, (vocab + STRIDE - 1) // STRIDE, top, scale, lo, top, 0.0, total,
@@ -160,7 +160,8 @@ def _finish(rows_ptr, temperatures_ptr, floors_ptr, scratch_ptr, ROW: tl.constex
         inside = (x > lo) & (x <= hi)
         keys = _key(x, SHIFT)
         k = _smallest_key(keys, tl.where(inside, tl.exp2((x - tl.load(state + passes.TOP)) * scale), 0.0), hi_mass,
-                          tl.load(state + passes.TARGET), _key(lo, SHIFT).to(tl.int64), _key(hi, SHIFT).to(tl.int64))
+                          tl.load(state + passes.TARGET), _key(lo, SHIFT).to(tl.int64), _key(hi, SHIFT).to(tl.int64),
+                          SHIFT)
         # an actual logit; a value just above lo only when rounding put the crossing below every candidate
         snapped = tl.min(tl.where(inside & (keys >= k), x, float("inf")), axis=0)
         floor = tl.where(snapped < float("inf"), snapped, _value(k.to(tl.int32) << SHIFT))

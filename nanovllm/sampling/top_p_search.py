@@ -8,13 +8,18 @@ from nanovllm.sampling.top_p_passes import _above, _key
 
 
 @triton.jit
-def _smallest_key(keys, weights, base, target, lo, hi):
-    """The smallest int64 k in (lo, hi] with base + sum(weights[keys > k]) < target (hi must be one)."""
-    while hi - lo > 1:
+def _smallest_key(keys, weights, base, target, lo, hi, SHIFT: tl.constexpr):
+    """The smallest int64 k in (lo, hi] with base + sum(weights[keys > k]) < target (hi must be one); lo and hi are
+    keys of SHIFT (spanning at most 2**(32 - SHIFT)).
+
+    A fixed number of halvings rather than `while hi - lo > 1`: on the GPU a bisection whose trip count depends on
+    the data stalled the program for good on some rows of a random model's logits (never in the interpreter)."""
+    for _ in range(33 - SHIFT):
         mid = lo + (hi - lo) // 2
         below = base + tl.sum(tl.where(keys > mid, weights, 0.0), axis=0) < target
-        hi = tl.where(below, mid, hi)
-        lo = tl.where(below, lo, mid)
+        halving = hi - lo > 1
+        hi = tl.where(halving & below, mid, hi)
+        lo = tl.where(halving & (below == 0), mid, lo)
     return hi
 
 
@@ -25,7 +30,7 @@ def _threshold(keys, weights, total, fraction, use_sample, lo, hi, low, high, ro
     bracket: of its values in the first rounds, then of its keys. A threshold is the largest value of its key, so
     that the last step's keys agree with it, and at most hi: one above it would count logits the copy leaves out."""
     sampled = _above(_smallest_key(keys, weights, 0.0, total * fraction, _key(lo, 16).to(tl.int64),
-                                   _key(hi, 16).to(tl.int64)), 16)
+                                   _key(hi, 16).to(tl.int64), 16), 16)
     a, b = tl.maximum(lo, low), tl.minimum(hi, high)
     by_value = _above(_key(a + (b - a) * (PART / 5), SHIFT), SHIFT)
     key_lo = tl.maximum(_key(lo, SHIFT), _key(low, SHIFT) - 1).to(tl.int64)
@@ -49,7 +54,7 @@ def _thresholds(sample, n_sample, top, scale, lo, hi, hi_mass, lo_mass, target, 
     tau = tl.minimum(tl.maximum((target - hi_mass) / tl.maximum(lo_mass - hi_mass, 1e-30), 0.0), 1.0)
     keys = _key(s, 16)
     # the standard error of the sample's share of the bracket's mass above its crossing
-    middle = _smallest_key(keys, ws, 0.0, total * tau, _key(lo, 16).to(tl.int64), _key(hi, 16).to(tl.int64))
+    middle = _smallest_key(keys, ws, 0.0, total * tau, _key(lo, 16).to(tl.int64), _key(hi, 16).to(tl.int64), 16)
     spread = ws * ((keys > middle).to(tl.float32) - tau)
     se = tl.sqrt(tl.sum(spread * spread, axis=0)) / tl.maximum(total, 1e-30)
     use_sample = (tl.sum(in_bracket.to(tl.int32), axis=0) >= MIN_SAMPLE) & (rounds < 2) & (se < 0.2)
