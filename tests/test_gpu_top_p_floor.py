@@ -1,5 +1,9 @@
 """Top-p's floor searched on the GPU (sampling/top_p_floor.py) for full 151,936-token rows of many shapes, against the
 float64 definition (tests/top_p_reference.py): every row's kept set exactly, borderline values aside."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -88,3 +92,26 @@ def test_a_floor_one_value_off_is_caught():
                                     moved[row].item()).size > 0
     print(f"\n{caught} of {moves} floors moved one value caught")
     assert moves >= 100 and caught >= moves - 3
+
+
+STALLED_ROW = os.path.join(os.path.dirname(__file__), "data", "top_p_stalled_row.npz")
+CHILD = """
+import sys, numpy as np, torch
+from nanovllm.sampling.top_p_floor import top_p_floors
+bits = np.load(sys.argv[1])["logits_bf16_bits"]
+logits = torch.from_numpy(bits).view(torch.bfloat16).unsqueeze(0).cuda()
+floors = torch.full((1,), float("-inf"), device="cuda")
+one = torch.ones(1, device="cuda")
+top_p_floors(logits, torch.zeros(1, dtype=torch.int64, device="cuda"), one * 0.6, one * 0.9, floors)
+print(floors.item())
+"""
+
+
+def test_a_row_that_once_stalled_the_search_ends_at_the_definition():
+    """A random Qwen3-0.6B's logits row (T 0.6, top_p 0.9) on which a bisection whose trip count depended on the data
+    stalled the GPU program for good. In a child process, so a stall fails the test rather than hanging the suite."""
+    done = subprocess.run([sys.executable, "-c", CHILD, STALLED_ROW], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    floor = float(done.stdout.strip().splitlines()[-1])
+    row = torch.from_numpy(np.load(STALLED_ROW)["logits_bf16_bits"]).view(torch.bfloat16).float().numpy()
+    assert misjudged(row, 0.6, 0.9, floor).size == 0 and floor in row

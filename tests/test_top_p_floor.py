@@ -1,6 +1,8 @@
 """Top-p's floor without a sort (sampling/top_p_floor.py), in Triton's interpreter, against the float64 definition
 (tests/top_p_reference.py, which also says how close to top_p a decision may go either way) and against the sort
 that logit_floors' torch path does."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -127,3 +129,13 @@ def test_logit_floors_searches_unbounded_rows_unless_told_to_sort():
         assert torch.equal(searched, logit_floors(*arguments, fused=False))
         assert searched[2] == float("-inf")
     assert np.isfinite(searched[[0, 1, 3]].numpy()).all()
+
+
+def test_a_row_that_once_stalled_the_search_on_a_gpu():
+    """The random Qwen3-0.6B logits row of tests/data on which a data-dependent bisection loop stalled a GPU
+    program (the interpreter always finished it): the floor is the definition's."""
+    bits = np.load(os.path.join(os.path.dirname(__file__), "data", "top_p_stalled_row.npz"))["logits_bf16_bits"]
+    logits = torch.from_numpy(bits).view(torch.bfloat16).unsqueeze(0)
+    floors, rounds = search(logits, [0.6], [0.9])
+    assert_definitions(logits, [0.6], [0.9], floors)
+    assert rounds == [1]
