@@ -22,6 +22,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from steady_probe import GpuBusy, SteadyProbe
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEADY_FROM = 0.02  # steady state starts once this fraction of the output exists: startup and ramp-up left out
 CONFIGS = {"dp1": ("DP=1", []), "mp": ("DP=2, processes", ["-dp", "2"]),
@@ -41,6 +43,7 @@ class Run:
     wall: float  # s from process start to the last line
     end: float  # s from process start to its exit
     startup: str  # run-batch's start-up line
+    steady_state: str = ""  # where the steady state's host and GPU time went (steady_probe.py)
 
 
 def steady_rate(samples: list[tuple[float, int]], total: int, start_fraction: float = STEADY_FROM) -> float:
@@ -59,16 +62,19 @@ def mark_sample(samples: list[tuple[float, int]], total: int, fraction: float) -
     return next(((t, lines) for t, lines in samples if lines >= mark), None)
 
 
-def lines_over_time(proc: subprocess.Popen, path: str, start: float,
-                    timeout_s: float = math.inf) -> list[tuple[float, int]]:
+def lines_over_time(proc: subprocess.Popen, path: str, start: float, timeout_s: float = math.inf,
+                    probe: SteadyProbe | None = None, steady: tuple[int, int] = (1, 0)) -> list[tuple[float, int]]:
     """(s since `start`, lines in the output) each time the count changed, polled every 20 ms until the process
-    ends; killed once it has run `timeout_s`."""
+    ends; killed once it has run `timeout_s`. probe: sampled on every poll, in steady state from steady[0] lines
+    until steady[1] (the last line)."""
     samples: list[tuple[float, int]] = []
     offset = count = 0
     while True:
         running = proc.poll() is None
         if running and time.perf_counter() - start > timeout_s:
             proc.kill()
+        if running and probe is not None:
+            probe.sample(time.perf_counter() - start, steady[0] <= count < steady[1])
         if os.path.exists(path):
             with open(path, "rb") as f:
                 f.seek(offset)
@@ -89,11 +95,14 @@ def timed_run(config: str, seeding: str, model: str, inp: str, out: str, request
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "nanovllm", "run-batch", "-i", inp, "-o", out, "--model",
                                  model, *flags], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        probe = SteadyProbe(proc.pid, GpuBusy(out + ".gpu").start())
         try:
-            samples = lines_over_time(proc, out, start, timeout_s)
+            samples = lines_over_time(proc, out, start, timeout_s, probe,
+                                      (math.ceil(STEADY_FROM * requests), requests))
         finally:
             proc.kill()
             proc.wait()
+            where = probe.describe()
         end = time.perf_counter() - start
         log.seek(0)
         lines = [line.strip() for line in log.read().replace("\r", "\n").splitlines() if line.strip()]
@@ -106,7 +115,7 @@ def timed_run(config: str, seeding: str, model: str, inp: str, out: str, request
     except ValueError as error:  # too few requests to see the output grow
         return str(error)
     return Run(config, seeding, requests, steady, mark_sample(samples, requests, STEADY_FROM)[0], samples[-1][0],
-               end, startup)
+               end, startup, where)
 
 
 def cache_env(base: dict, folder: str) -> dict:
@@ -156,7 +165,7 @@ def run_all(args: argparse.Namespace, began: float, model: str, requests: int, e
                     continue
                 print(f"{label}: {result.steady:.1f} req/s steady, {result.to_mark:.1f} s to {STEADY_FROM:.0%} of the "
                       f"lines, {result.wall:.1f} s to the last line, process ended at {result.end:.1f} s; start-up: "
-                      f"{result.startup}", flush=True)
+                      f"{result.startup}; {result.steady_state}", flush=True)
                 runs.append(result)
                 save(runs, failed, left_out)
     return runs, failed, left_out
@@ -187,6 +196,8 @@ def table(runs: list[Run]) -> str:
 def summary(runs: list[Run], failed: list[str], left_out: list[str]) -> str:
     text = table(runs) + "\n\nStart-up, per run (run-batch's line):\n\n" + "\n".join(
         f"- {CONFIGS[run.config][0]}, {run.seeding}: {run.startup}" for run in runs)
+    text += "\n\nSteady state, per run:\n\n" + "\n".join(
+        f"- {CONFIGS[run.config][0]}, {run.seeding}: {run.steady_state}" for run in runs)
     if failed:
         text += f"\n\nFailed: {'; '.join(failed)}"
     if left_out:
