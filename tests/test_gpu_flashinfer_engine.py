@@ -87,8 +87,15 @@ def test_long_context_fp8_cache_acceptance(long_results, backend, mode):
 
 @pytest.mark.parametrize("mode", list(LONG_MODES))
 def test_long_context_flashinfer_as_exact_as_triton(long_results, mode):
+    """The gate for making flashinfer the default with an FP8 cache: while the switch is off, a shortfall is an
+    expected failure that prints both shares; with the switch on it fails."""
     ours, triton = long_results["flashinfer", mode], long_results["triton", mode]
-    assert ours["exact"] >= triton["exact"] - 0.03, (ours, triton)
+    as_exact = ours["exact"] >= triton["exact"] - 0.03
+    if not as_exact and not attention.FLASHINFER_FOR_FP8_KV_ON_HOPPER:
+        pytest.xfail(f"XQA's FP8 decode (query and probabilities in e4m3) is the float32 argmax for "
+                     f"{ours['exact']:.1%} of the tokens, triton's for {triton['exact']:.1%}: the default stays "
+                     f"triton")
+    assert as_exact, (ours, triton)
 
 
 @pytest.fixture(scope="module")
