@@ -10,16 +10,22 @@ Run it in the environment the engine runs in; one process, so each step pays onl
 """
 import argparse
 import ctypes
+import importlib.util
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
-# Importing any of nanovllm imports the engine (nanovllm/__init__.py), so the two checks the steps are measured
-# with are written out here with the standard library: the same questions as processes.cuda_driver_initialised and
-# startup.process_started ask.
+# Importing any of nanovllm imports the engine (nanovllm/__init__.py): engine/startup.py (standard library only) is
+# loaded from its file, and processes.cuda_driver_initialised's question is asked here with ctypes.
+_spec = importlib.util.spec_from_file_location("_startup", os.path.join(ROOT, "nanovllm", "engine", "startup.py"))
+startup = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(startup)
+
+
 def cuda_driver_initialised() -> bool:
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
@@ -27,17 +33,6 @@ def cuda_driver_initialised() -> bool:
         return False
     count = ctypes.c_int()
     return libcuda.cuDeviceGetCount(ctypes.byref(count)) != 3  # CUDA_ERROR_NOT_INITIALIZED until cuInit
-
-
-def process_started() -> float | None:
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def steps(model: str | None) -> list[tuple[str, object]]:
@@ -70,7 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a checkpoint folder, for the config check step")
     args = parser.parse_args()
-    began = process_started()
+    began = startup.process_started()
     now = time.time()
     print("| step | seconds | CUDA driver initialised after it |\n| --- | --- | --- |")
     if began is not None:

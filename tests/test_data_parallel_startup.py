@@ -1,6 +1,6 @@
 """Start-up of data parallelism on CPU: replicas start concurrently (over processes, forked or spawned, and over
-Ray) and run at the driver's priority, a forked replica leaves with its driver, and the start-up times that
-run-batch reports add up."""
+Ray) and run at the driver's priority, a forked replica leaves with its driver, the start-up times that run-batch
+reports add up, importing the package compiles nothing, and the start-up probe times each of a driver's steps."""
 import glob
 import os
 import signal
@@ -219,3 +219,20 @@ assert "torch._dynamo" not in sys.modules, "a fused layer on CPU tensors importe
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_startup_probe_times_every_step(tiny_model):
+    """benchmarks/startup_probe.py: a row per step with its seconds and the CUDA driver's state, none failed."""
+    probe = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                         "startup_probe.py")
+    result = subprocess.run([sys.executable, probe, "--model", tiny_model], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    steps = [row.split(" | ")[0][2:] for row in rows]
+    assert steps[-8:] == ["import torch", "import triton", "import transformers", "import nanovllm.llm",
+                          "import nanovllm.run_batch", "config check (checked_config)", "torch.compile(f) (no call)",
+                          "count GPUs (visible_gpus)"], result.stdout
+    for row in rows:
+        _, seconds, initialised = row.strip("| ").split(" | ")
+        assert float(seconds) >= 0 and initialised in ("True", "False"), row
