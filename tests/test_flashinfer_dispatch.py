@@ -19,6 +19,7 @@ from nanovllm.quantization.fp8_fused import Fp8Input
 from nanovllm.quantization.fp8_routes import (
     CUBLAS,
     FLASHINFER,
+    MEASURED_ROUTES,
     ROUTES_ENV,
     describe_routes,
     kernel_for,
@@ -208,3 +209,35 @@ def test_routes_to_flashinfer_without_it(monkeypatch, hopper, no_flashinfer):
     monkeypatch.setenv(ROUTES_ENV, "31:flashinfer")  # asked for explicitly: an error naming the extra
     with pytest.raises(ImportError, match=r"\.\[cuda,flashinfer\]"):
         fp8_flashinfer.prepare_flashinfer_gemm(model, 64)
+
+
+def test_a_flashinfer_that_cannot_build_leaves_the_built_in_routes_on_cublas(monkeypatch, hopper):
+    """FlashInfer installed but its kernels failing to compile (no nvcc, a broken JIT): the built-in table only
+    prefers it for speed, so every layer goes back to cuBLAS with a warning; routes asked for by name fail."""
+    def broken(x, w):
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(fp8_flashinfer, "flashinfer_installed", lambda: True)
+    monkeypatch.setattr(fp8_flashinfer, "require_flashinfer", lambda *a: None)
+    monkeypatch.setattr(fp8_flashinfer, "flashinfer_block_mm", broken)
+    monkeypatch.setattr(fp8_flashinfer, "active_routes", lambda: ((128, FLASHINFER),))
+    monkeypatch.delenv(ROUTES_ENV, raising=False)
+    model = FakeModel([(256, 512), (128, 128)])
+    assert fp8_flashinfer.prepare_flashinfer_gemm(model, 64) is None
+    assert [(layer.fp8.routes, layer.fp8.flashinfer_scale) for layer in model.layers] == [((), None), ((), None)]
+    monkeypatch.setenv(ROUTES_ENV, "128:flashinfer")
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        fp8_flashinfer.prepare_flashinfer_gemm(model, 64)
+    assert not any(layer.fp8.routes for layer in model.layers)
+
+
+def test_the_ab_benchmark_defaults_to_the_built_in_routes():
+    """benchmarks/flashinfer_ab.py's --routes default is the engine's own table, so its A/B measures what ships."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "flashinfer_ab.py")
+    spec = importlib.util.spec_from_file_location("flashinfer_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert parse_routes(module.BUILT_IN_ROUTES) == MEASURED_ROUTES

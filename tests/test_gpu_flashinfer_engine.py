@@ -5,10 +5,10 @@
    teacher-forced against transformers in float32. The bar is the acceptance bar of tests/test_gpu_fp8_kv.py on the
    benchmark's checkpoint (std 0.02): at least 99% of the tokens within 0.25 logits of the float32 argmax; and
    flashinfer at least as often the float32 argmax as triton, less 3 points.
-2. A published-layout FP8 checkpoint with the matmuls of batches up to 31 rows routed to FlashInfer (every decode
-   step of this run), against the same engine on cuBLAS: both scored teacher-forced against transformers in
-   float32 on the dequantized weights; FlashInfer's routes may not score worse (argmax share within 3 points, mean
-   gap within 1.25x + 0.005).
+2. A published-layout FP8 checkpoint with the matmuls of batches up to 31 rows routed to FlashInfer, and as the
+   built-in table routes them (64 sequences: decode steps past 31 rows too), against the same engine on cuBLAS:
+   all scored teacher-forced against transformers in float32 on the dequantized weights; FlashInfer's routes may
+   not score worse (argmax share within 3 points, mean gap within 1.25x + 0.005).
 3. The default backend: with the switch on, an FP8 cache on Hopper gets flashinfer.
 """
 import pytest
@@ -18,7 +18,7 @@ from test_fp8_weights import write_dequantized
 
 import nanovllm.attention as attention
 from nanovllm import LLM, SamplingParams
-from nanovllm.quantization.fp8_routes import ROUTES_ENV
+from nanovllm.quantization.fp8_routes import FLASHINFER, MEASURED_ROUTES, ROUTES_ENV, describe_routes
 from nanovllm.utils.flashinfer import INSTALL, flashinfer_installed
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not flashinfer_installed(), reason=f"FlashInfer is not installed ({INSTALL})")]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 MARGIN = 0.25
+BUILT_IN = "built-in"  # routes: the engine's own table, no environment override
 LONG_MODES = {"graph": {}, "eager+chunked": dict(enforce_eager=True, max_num_batched_tokens=4096)}
 
 
@@ -105,14 +106,17 @@ def routed_results(tmp_path_factory) -> dict:
     fp8_path = write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b-fp8")), "Qwen3-0.6B-FP8", std=0.02,
                                        seed=1)
     g = torch.Generator().manual_seed(0)
-    prompts = prompts_of(torch.randint(100, 1001, (24,), generator=g).tolist(), seed=1)
+    prompts = prompts_of(torch.randint(100, 1001, (64,), generator=g).tolist(), seed=1)
     outputs, calls = {}, {}
     with pytest.MonkeyPatch.context() as patch:
         from nanovllm.quantization import fp8_linear
 
         real = fp8_linear.flashinfer_block_mm
-        for routes in ("", "31:flashinfer"):
-            patch.setenv(ROUTES_ENV, routes)
+        for routes in ("", "31:flashinfer", BUILT_IN):
+            if routes == BUILT_IN:  # the table the engine ships (fp8_routes.MEASURED_ROUTES)
+                patch.delenv(ROUTES_ENV, raising=False)
+            else:
+                patch.setenv(ROUTES_ENV, routes)
             seen = calls.setdefault(routes, set())
             patch.setattr(fp8_linear, "flashinfer_block_mm",
                           lambda x, w, seen=seen: (seen.add(x.rows if hasattr(x, "rows") else x.size(0)),
@@ -120,13 +124,14 @@ def routed_results(tmp_path_factory) -> dict:
             # eager: the count of FlashInfer calls is seen from Python (graphs replay without it)
             for eager in (False, True):
                 with LLM(fp8_path, gpu_memory_utilization=0.45, max_model_len=4096, enforce_eager=eager,
-                         max_num_seqs=24) as llm:
+                         max_num_seqs=64) as llm:
                     outputs[routes or "cublas", "eager" if eager else "graph"] = llm.generate(prompts, GREEDY,
                                                                                             use_tqdm=False)
     reference = AutoModelForCausalLM.from_pretrained(
         write_dequantized(fp8_path, str(tmp_path_factory.mktemp("dq") / "f32")), dtype=torch.float32).cuda().eval()
     table = {key: score(reference, prompts, out) for key, out in outputs.items()}
-    print("\nFP8 checkpoint, matmuls of up to 31 rows on FlashInfer or all on cuBLAS")
+    print(f"\nFP8 checkpoint, matmuls on cuBLAS, up to 31 rows on FlashInfer, or as the built-in table says "
+          f"({describe_routes(MEASURED_ROUTES)})")
     print("| matmuls | mode | tokens | float32 argmax | mean gap | worst gap |")
     print("| --- | --- | --- | --- | --- | --- |")
     for (routes, mode), r in table.items():
@@ -140,9 +145,17 @@ def test_routed_matmuls_run_flashinfer_below_32_rows_only(routed_results):
     assert seen and max(seen) <= 31, sorted(seen)
 
 
+def test_the_built_in_routes_run_flashinfer_up_to_their_bound(routed_results):
+    """64 sequences: decode steps of 32-64 rows, where FlashInfer runs its normal (not swapped-operand) kernel."""
+    bound = max(rows for rows, kernel in MEASURED_ROUTES if kernel == FLASHINFER)
+    seen = routed_results["calls"][BUILT_IN]
+    assert seen and max(seen) <= bound and any(rows > 31 for rows in seen), sorted(seen)
+
+
+@pytest.mark.parametrize("routes", ["31:flashinfer", BUILT_IN])
 @pytest.mark.parametrize("mode", ["graph", "eager"])
-def test_routed_matmuls_score_like_cublas(routed_results, mode):
-    ours, cublas = routed_results["table"]["31:flashinfer", mode], routed_results["table"]["cublas", mode]
+def test_routed_matmuls_score_like_cublas(routed_results, mode, routes):
+    ours, cublas = routed_results["table"][routes, mode], routed_results["table"]["cublas", mode]
     assert ours["exact"] >= cublas["exact"] - 0.03, (ours, cublas)
     assert ours["mean_gap"] <= 1.25 * cublas["mean_gap"] + 0.005, (ours, cublas)
 

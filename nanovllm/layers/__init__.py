@@ -18,7 +18,9 @@ def fused(fn):
     @functools.wraps(fn)
     def run(first: torch.Tensor, *args, **kwargs):
         nonlocal compiled
-        if not first.is_cuda:
+        # inside another compiled function Dynamo traces this body: the plain function keeps it from guarding
+        # on (and recompiling for) `compiled` still being None at trace time
+        if not first.is_cuda or torch.compiler.is_compiling():
             return fn(first, *args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True)

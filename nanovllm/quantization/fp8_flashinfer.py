@@ -63,8 +63,24 @@ def prepare_flashinfer_gemm(model: nn.Module, max_rows: int) -> float | None:
     if not flashinfer_installed() and ROUTES_ENV not in os.environ:
         logger.info("FP8 matmul routes name FlashInfer, which is not installed: cuBLAS runs every batch")
         return None
-    require_flashinfer(f"FP8 matmul routes {routes}", "gemm")
     start = time.perf_counter()
+    try:
+        _route_and_compile(layers, routes, rows)
+    except Exception as error:
+        for layer in layers:  # cuBLAS for every batch again
+            layer.fp8.routes, layer.fp8.flashinfer_scale = (), None
+        if ROUTES_ENV in os.environ:  # asked for by name: the failure is the answer
+            raise
+        # the built-in table only prefers FlashInfer where it is faster: an install that cannot build its kernels
+        # (no nvcc, a broken JIT) costs that speed, not the engine
+        logger.warning("FP8 matmuls stay on cuBLAS: FlashInfer's kernels failed to load or compile (%s: %s)",
+                       type(error).__name__, error)
+        return None
+    return time.perf_counter() - start
+
+
+def _route_and_compile(layers: list[nn.Module], routes, rows: list[int]) -> None:
+    require_flashinfer(f"FP8 matmul routes {routes}", "gemm")
     shapes = {}
     for layer in layers:
         fp8 = layer.fp8
@@ -78,4 +94,3 @@ def prepare_flashinfer_gemm(model: nn.Module, max_rows: int) -> float | None:
         for n in rows:
             flashinfer_block_mm(x[:n], fp8)
     torch.cuda.synchronize()
-    return time.perf_counter() - start
