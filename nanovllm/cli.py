@@ -64,9 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from nanovllm.run_batch import run  # the engine and torch, now that the command line is known good
+    from nanovllm.batch_start import start  # the files checked, replicas launched: all before torch is imported
 
-    return run(args)
+    started = start(args)
+    if isinstance(started, int):
+        return started
+    from nanovllm.run_batch import run  # the engine and torch
+
+    return run(args, started=started)
 
 
 def _version() -> str:

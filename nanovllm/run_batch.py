@@ -1,6 +1,5 @@
 """The run-batch command's work: OpenAI batch-format requests through the engine (the command line is in cli.py)."""
 import argparse
-import os
 import sys
 import time
 from collections import deque
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
+from nanovllm.batch_start import BatchStart, check_files, fail, say
 from nanovllm.cli import build_parser, main  # noqa: F401  (run_batch.main and build_parser, as before)
 from nanovllm.data_parallel import DataParallel, ReplicasLost
 from nanovllm.engine.progress import ProgressBar, TokenCounter
@@ -97,76 +97,56 @@ class RequestSource:
         return prompt, params, Pending(custom_id, line, url == CHAT, params.logprobs if url == CHAT else None)
 
 
-def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = LLM) -> int:
+def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = LLM,
+        started: BatchStart | None = None) -> int:
     """The run-batch command. llm: an open engine to use instead of loading args.model (left open); engine_class:
-    what each replica runs (benchmarks/data_parallel.py passes one that answers instantly).
+    what each replica runs (benchmarks/data_parallel.py passes one that answers instantly); started: the files'
+    checks done, and replicas perhaps launched, before the engine was imported (batch_start.py, as cli.main does).
 
     Exit codes: 0 done, 1 failed (nothing of an output that could not start is created or changed), 2 a usage
     error found before any work, 130 interrupted."""
-    start = time.perf_counter()
-    if _same_file(args.input_file, args.output_file):  # results appended to the requests would read as done
-        return _fail(f"the output file {args.output_file!r} is the input file {args.input_file!r} (the same file "
-                     f"on disk); give -o a path of its own", code=2)
-    try:
-        scan = batch_io.scan_input(args.input_file)
-    except OSError as error:
-        return _fail(f"cannot read the input: {error}")
-    if scan.duplicates:  # before any work or output: a resumed run could not tell such requests apart
-        named = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates.items())
-        return _fail(f"duplicate custom_id(s) in {args.input_file}: {named}")
-    try:
-        done = batch_io.read_output(args.output_file)
-        batch_io.check_writable(args.output_file)  # before the model: a bad path fails in a second
-    except (OSError, ValueError) as error:
-        return _fail(f"cannot resume from or write the output: {error}")
-    stats = Stats(skipped=scan.ids.count_in(done.ids) + sum(line in done.lines for line in scan.id_less_lines))
-    todo = scan.total - stats.skipped
-    del scan  # only `done` is needed from here on
+    started = started or check_files(args)
+    if isinstance(started, int):
+        return started
+    done, todo, launched = started.done, started.todo, started.launched
+    stats = Stats(skipped=started.skipped)
     engine = None
     if todo:  # nothing left: no model to load
         try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
             # fork=True: this process runs nothing that a fork would break, so replicas may skip their imports
             engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
                              else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
-                                               engine_class=engine_class, fork=True, **engine_options(args)))
+                                               engine_class=engine_class, fork=True, launched=launched,
+                                               **engine_options(args)))
         except (OSError, ValueError, TypeError, ImportError) as error:  # options, checkpoint, devices, ray
-            return _fail(f"cannot start the engine: {type(error).__name__}: {error}")
+            return fail(f"cannot start the engine: {type(error).__name__}: {error}")
     if done.torn is not None:  # only now that work can start: a run that cannot start leaves the file as it was
         batch_io.drop_torn(args.output_file, done.torn)
         torn = done.torn
-        _say(f"{args.output_file}: dropped its last line, line {torn.line} ({torn.size} bytes): a record an "
-             f"interrupted run did not finish writing")
+        say(f"{args.output_file}: dropped its last line, line {torn.line} ({torn.size} bytes): a record an "
+            f"interrupted run did not finish writing")
     if engine is not None:
         with batch_io.OutputWriter(args.output_file) as out:  # created at the first record
             try:
                 _generate(args, engine, out, done, todo, stats)
             except KeyboardInterrupt:  # every finished result is on disk already
-                return _fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
-                             f"command again to resume", code=130)
+                return fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
+                            f"command again to resume", code=130)
             except ReplicasLost as error:  # as above: what was answered is on disk
-                return _fail(f"{error}; {stats.succeeded + stats.failed} of {todo} requests were answered; "
-                             f"run the same command again to resume")
+                return fail(f"{error}; {stats.succeeded + stats.failed} of {todo} requests were answered; "
+                            f"run the same command again to resume")
             finally:
                 if llm is None:
                     engine.exit()
         if isinstance(engine, DataParallel):
             stats.per_replica = engine.answered
         if llm is None:  # where this process's start-up went, up to the first request (engine/startup.py)
-            _say(f"start-up: {engine.describe_startup(process_started())}")
+            say(f"start-up: {engine.describe_startup(process_started())}")
     print(f"nanovllm run-batch: {stats.succeeded} succeeded, {stats.failed} failed, {stats.skipped} skipped "
           f"(already done); {stats.prompt_tokens} prompt tokens, {stats.generated_tokens} generated tokens; "
-          f"{time.perf_counter() - start:.1f} s" + (f"; per replica: {stats.per_replica}" if stats.per_replica else ""),
-          file=sys.stderr)
+          f"{time.perf_counter() - started.began:.1f} s"
+          + (f"; per replica: {stats.per_replica}" if stats.per_replica else ""), file=sys.stderr)
     return 0
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether two paths name one file, however spelled: relative or absolute, through a symlink, or a hard link
-    (samefile compares device and inode). A path that does not exist yet is no existing file."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # either is missing (or unreadable): then they cannot be one existing file
-        return False
 
 
 def _serial(args: argparse.Namespace) -> bool:
@@ -205,15 +185,6 @@ def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, do
                 counter.add(prompt_tokens, generated_tokens)
             body = batch_io.response_body(result, pending.chat, args.model, pending.top_logprobs)
             finish(batch_io.success_record(pending.custom_id, body))
-
-
-def _say(message: str) -> None:
-    print(f"nanovllm run-batch: {message}", file=sys.stderr)
-
-
-def _fail(message: str, code: int = 1) -> int:
-    _say(message)
-    return code
 
 
 if __name__ == "__main__":

@@ -206,6 +206,7 @@ def test_importing_the_package_compiles_nothing():
     """A data-parallel driver imports the engine's modules but never runs a layer: the layers' torch.compile (which
     imports TorchDynamo and Inductor, seconds per process) waits for the first call on a CUDA tensor. Checked in a
     fresh interpreter that takes torch for a CUDA build, and after a fused layer ran on CPU tensors."""
+    # the layers used to compile at import only on CUDA builds of torch (is_built), so that is what this one claims
     code = """
 import sys, torch
 torch.backends.cuda.is_built = lambda: True
@@ -236,3 +237,50 @@ def test_the_startup_probe_times_every_step(tiny_model):
     for row in rows:
         _, seconds, initialised = row.strip("| ").split(" | ")
         assert float(seconds) >= 0 and initialised in ("True", "False"), row
+
+
+def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model, tmp_path):
+    """The command line's first work after its file checks is the replicas' launch: in a fresh process, once
+    batch_start.start has returned them, neither transformers nor the engine has been imported by the driver; and
+    replicas stopped mid-import leave cleanly at once (an interrupt inside a fork's hooks or torch's import once
+    left one hanging until the driver killed it, JOIN_S later)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
+    code = f"""
+import sys
+from nanovllm.cli import parse_args
+from nanovllm.batch_start import start
+args = parse_args(["run-batch", "-i", {str(inp)!r}, "-o", {str(tmp_path / "out.jsonl")!r}, "--model",
+                   {tiny_model!r}, "-dp", "2"])
+started = start(args)
+heavy = [name for name in ("transformers", "nanovllm.llm", "nanovllm.engine.llm_engine") if name in sys.modules]
+replicas = started.launched.replicas
+alive = [process.is_alive() for process in replicas.processes]
+import time
+began = time.monotonic()
+replicas.close(False)  # at once, as after a bad option: the replicas are still importing
+closing = time.monotonic() - began
+assert not heavy, f"imported before the launch: {{heavy}}"
+assert alive == [True, True], alive
+assert closing < 15 and [p.exitcode for p in replicas.processes] == [0, 0], (closing, replicas.processes)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, capsys):
+    """Options are checked by the driver after the early launch: a bad one fails the run with its message, stops
+    the replicas, and leaves no output file."""
+    import multiprocessing
+
+    from nanovllm import run_batch
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
+    out = tmp_path / "out.jsonl"
+    code = run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
+                           "--gpu-memory-utilization", "1.5"])
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
+    assert not out.exists()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-dp-")]

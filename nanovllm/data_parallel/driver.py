@@ -27,6 +27,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
+from .launch import LaunchedReplicas, launched_phase
 from .replica import DRAIN, Work
 
 BACKENDS = DATA_PARALLEL_BACKENDS
@@ -58,37 +59,44 @@ class DataParallel:
     get_default_sampling_params, describe_startup), all from the driver's own tokenizer and config: the driver
     loads no model. fork (backend "mp"): the caller allows replicas to be forked from this process rather than
     spawned, so that they skip their imports; it is done only where safe (processes.py), and a caller whose
-    process runs native threads that do not survive a fork (a gRPC client, Ray's) must not allow it."""
+    process runs native threads that do not survive a fork (a gRPC client, Ray's) must not allow it. launched:
+    replicas the caller started before it imported the engine (launch.py), taken over instead of starting them."""
 
     chat_prompt = LLMEngine.chat_prompt  # they read only self.tokenizer and self.config
     get_default_sampling_params = LLMEngine.get_default_sampling_params
 
     def __init__(self, model: str, data_parallel_size: int, backend: str = "mp", *, engine_class: type = LLM,
-                 fork: bool = False, **engine_options) -> None:
+                 fork: bool = False, launched: "LaunchedReplicas | None" = None, **engine_options) -> None:
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         if backend not in BACKENDS:
             raise ValueError(f"data-parallel backend must be one of {BACKENDS}, got {backend!r}")
-        self.startup = StartupTimes()
-        # options are checked here, once, rather than failing in every replica
-        self.config = checked_config(model, **engine_options)
+        self._clean = False  # until a run ends well, exit() interrupts the replicas
+        if launched is not None:  # started by the caller before it imported the engine (launch.py)
+            self.startup, self.replicas = launched.startup, launched.replicas
+            self.startup.lap("imports")
+        else:
+            self.startup = StartupTimes()
+        try:  # options are checked here, once, rather than failing in every replica
+            self.config = checked_config(model, **engine_options)
+        except BaseException:
+            self.exit()
+            raise
         self.startup.lap("config")
         self.credit = 3 * self.config.max_num_seqs
         # a replica waits for a refill until it has room for this many, so requests travel in batches; it still
         # holds more than 7/8 of its credit, more than its engine's window of 2 x max_num_seqs
         self.refill = max(1, self.credit // 8)
-        if backend == "mp":
-            from .processes import ProcessReplicas as Replicas
-        else:
-            from .ray_actors import RayReplicas as Replicas
-        # every replica is asked for at once, before the driver's own tokenizer: they all start meanwhile
-        self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options,
-                                 **({"fork": True} if fork and backend == "mp" else {}))
-        spawned = getattr(self.replicas, "spawn_reason", "")
-        self.startup.lap(("replicas launched" + (f", spawned: {spawned}" if spawned else "")) if backend == "mp"
-                         else "Ray and replicas launched")
+        if launched is None:
+            if backend == "mp":
+                from .processes import ProcessReplicas as Replicas
+            else:
+                from .ray_actors import RayReplicas as Replicas
+            # every replica is asked for at once, before the driver's own tokenizer: they all start meanwhile
+            self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options,
+                                     **({"fork": True} if fork and backend == "mp" else {}))
+            self.startup.lap(launched_phase(self.replicas, backend))
         self.held = [Held(name) for name in self.replicas.names]
-        self._clean = False
         try:
             self.tokenizer = load_tokenizer(self.config.model)
         except BaseException:

@@ -18,6 +18,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import import_module
 from multiprocessing import connection, current_process, get_all_start_methods, get_context
 from multiprocessing.process import BaseProcess
 
@@ -112,16 +115,36 @@ def why_not_fork() -> str:
     return ""
 
 
-def _replica_main(conn: connection.Connection, engine_class: type, model: str, options: dict,
+def engine_named(engine_class: type | str) -> type:
+    """The engine class itself, or one named "module:name" (imported here): a driver that has not imported the
+    engine yet can still ask for it, since pickling a class for a spawned process imports its module."""
+    if not isinstance(engine_class, str):
+        return engine_class
+    module, _, name = engine_class.partition(":")
+    return getattr(import_module(module), name)
+
+
+@contextmanager
+def sigint_held() -> Iterator[None]:
+    """SIGINT held back (blocked, not lost) in this thread while inside; a process started inside inherits the
+    block. Replicas start that way and lift it once their imports are done: an interrupt that lands in a fork's
+    after-fork hooks or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to
+    kill it), while one held back arrives where the replica leaves cleanly."""
+    hold = hasattr(signal, "pthread_sigmask")
+    if hold:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if hold:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _replica_main(conn: connection.Connection, engine_class: type | str, model: str, options: dict,
                   devices: str | None, threads: int | None, requested_at: float,
                   drivers_ends: list[connection.Connection]) -> None:
     for end in drivers_ends:  # a forked replica's copies of the driver's pipe ends (see the module's docstring)
         end.close()
-    check_devices(devices, current_process().name)
-    if threads is not None:  # CPU replicas share the cores rather than each taking all of them
-        import torch
-
-        torch.set_num_threads(threads)
     inbox: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -132,9 +155,16 @@ def _replica_main(conn: connection.Connection, engine_class: type, model: str, o
         except (EOFError, OSError):  # the driver is gone: finish up and exit
             inbox.put(STOP)
 
-    threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
-    try:
-        serve(lambda: engine_class(model, **options), inbox, conn.send, requested_at)
+    try:  # the driver may stop a replica at any point of its start-up, imports included
+        with sigint_held():  # held since the driver started this process (ProcessReplicas)
+            check_devices(devices, current_process().name)
+            if threads is not None:  # CPU replicas share the cores rather than each taking all of them
+                import torch
+
+                torch.set_num_threads(threads)
+            engine = engine_named(engine_class)
+        threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
+        serve(lambda: engine(model, **options), inbox, conn.send, requested_at)
     except (BrokenPipeError, KeyboardInterrupt):  # the driver left or stopped us: not worth a traceback
         pass
 
@@ -143,7 +173,8 @@ class ProcessReplicas:
     """Starts the replica processes, all at once, and carries messages to and from them. fork: the caller allows
     forking them where it is safe (see the module's docstring)."""
 
-    def __init__(self, replicas: int, engine_class: type, model: str, options: dict, fork: bool = False) -> None:
+    def __init__(self, replicas: int, engine_class: type | str, model: str, options: dict,
+                 fork: bool = False) -> None:
         before = why_not_fork() if fork else ""
         devices = device_groups(replicas, options.get("tensor_parallel_size", 1), visible_gpus())
         # why replicas are spawned although a fork was allowed, for the start-up line ("" when forked or not asked)
@@ -166,7 +197,8 @@ class ProcessReplicas:
             process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
                                   args=(child, engine_class, model, options, group, threads, time.time(),
                                         drivers_ends))
-            start_with_devices(process, group)
+            with sigint_held():  # the replica lifts it after its imports (_replica_main)
+                start_with_devices(process, group)
             child.close()  # so that the replica's death is end-of-file here
             self.conns.append(parent)
             self.processes.append(process)

@@ -1,0 +1,77 @@
+"""What run-batch does before it imports the engine: the checks of its two files (a bad path or a duplicate
+custom_id fails in a second, before any work), what is left to do, and, with data parallelism over processes, the
+replicas launched at once (data_parallel/launch.py), so their start-up overlaps the driver's own imports. Neither
+this module nor what it imports needs torch."""
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+from nanovllm import batch_io
+from nanovllm.batch_io import Done
+from nanovllm.engine_flags import engine_options
+
+
+@dataclass
+class BatchStart:
+    began: float  # time.perf_counter() at the start of the command's work
+    done: Done  # what the output file holds already
+    skipped: int  # requests answered by an earlier run
+    todo: int  # requests left to answer
+    launched: object | None = None  # LaunchedReplicas, where replicas were launched before the engine's import
+
+
+def check_files(args: argparse.Namespace) -> BatchStart | int:
+    """The input and output checked and read (the exit code where they fail, having said why)."""
+    began = time.perf_counter()
+    if same_file(args.input_file, args.output_file):  # results appended to the requests would read as done
+        return fail(f"the output file {args.output_file!r} is the input file {args.input_file!r} (the same file "
+                    f"on disk); give -o a path of its own", code=2)
+    try:
+        scan = batch_io.scan_input(args.input_file)
+    except OSError as error:
+        return fail(f"cannot read the input: {error}")
+    if scan.duplicates:  # before any work or output: a resumed run could not tell such requests apart
+        named = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates.items())
+        return fail(f"duplicate custom_id(s) in {args.input_file}: {named}")
+    try:
+        done = batch_io.read_output(args.output_file)
+        batch_io.check_writable(args.output_file)  # before the model: a bad path fails in a second
+    except (OSError, ValueError) as error:
+        return fail(f"cannot resume from or write the output: {error}")
+    skipped = scan.ids.count_in(done.ids) + sum(line in done.lines for line in scan.id_less_lines)
+    return BatchStart(began, done, skipped, scan.total - skipped)
+
+
+def start(args: argparse.Namespace) -> BatchStart | int:
+    """check_files, then, with work to do and replicas over processes, the replicas launched."""
+    started = check_files(args)
+    if isinstance(started, int) or not started.todo or args.data_parallel_size < 2 \
+            or args.data_parallel_backend != "mp":
+        return started
+    from nanovllm.data_parallel.launch import launch_replicas
+
+    try:
+        started.launched = launch_replicas(args.model, args.data_parallel_size, engine_options(args))
+    except (OSError, ValueError) as error:  # e.g. more replicas than GPUs
+        return fail(f"cannot start the engine: {type(error).__name__}: {error}")
+    return started
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file, however spelled: relative or absolute, through a symlink, or a hard link
+    (samefile compares device and inode). A path that does not exist yet is no existing file."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either is missing (or unreadable): then they cannot be one existing file
+        return False
+
+
+def say(message: str) -> None:
+    print(f"nanovllm run-batch: {message}", file=sys.stderr)
+
+
+def fail(message: str, code: int = 1) -> int:
+    say(message)
+    return code
