@@ -1,7 +1,7 @@
 """What run-batch does before it imports the engine: the checks of its two files (a bad path or a duplicate
-custom_id fails in a second, before any work), what is left to do, and, with data parallelism over processes, the
-replicas launched at once (data_parallel/launch.py), so their start-up overlaps the driver's own imports. Neither
-this module nor what it imports needs torch."""
+custom_id fails in a second, before any work), what is left to do, and, with data parallelism (processes or Ray
+actors), the replicas launched at once (data_parallel/launch.py), so their start-up overlaps the driver's own
+imports. Nothing here imports the engine or transformers (counting GPUs imports torch)."""
 import argparse
 import os
 import sys
@@ -45,16 +45,18 @@ def check_files(args: argparse.Namespace) -> BatchStart | int:
 
 
 def start(args: argparse.Namespace) -> BatchStart | int:
-    """check_files, then, with work to do and replicas over processes, the replicas launched."""
+    """check_files, then, with work to do and replicas to start (processes or Ray actors), the replicas
+    launched."""
     started = check_files(args)
-    if isinstance(started, int) or not started.todo or args.data_parallel_size < 2 \
-            or args.data_parallel_backend != "mp":
+    serial = args.data_parallel_size == 1 and args.data_parallel_backend == "mp"
+    if isinstance(started, int) or not started.todo or serial or args.data_parallel_size < 1:
         return started
     from nanovllm.data_parallel.launch import launch_replicas
 
     try:
-        started.launched = launch_replicas(args.model, args.data_parallel_size, engine_options(args))
-    except (OSError, ValueError) as error:  # e.g. more replicas than GPUs
+        started.launched = launch_replicas(args.model, args.data_parallel_size, args.data_parallel_backend,
+                                           engine_options(args))
+    except (OSError, ValueError, ImportError) as error:  # more replicas than GPUs, Ray not installed
         return fail(f"cannot start the engine: {type(error).__name__}: {error}")
     return started
 

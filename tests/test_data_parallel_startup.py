@@ -239,7 +239,8 @@ def test_the_startup_probe_times_every_step(tiny_model):
         assert float(seconds) >= 0 and initialised in ("True", "False"), row
 
 
-def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model, tmp_path):
+@pytest.mark.parametrize("backend", ["mp", pytest.param("ray", marks=needs_ray)])
+def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model, tmp_path, backend, monkeypatch):
     """The command line's first work after its file checks is the replicas' launch: in a fresh process, once
     batch_start.start has returned them, neither transformers nor the engine has been imported by the driver; and
     replicas stopped mid-import leave cleanly at once (an interrupt inside a fork's hooks or torch's import once
@@ -251,29 +252,39 @@ import sys
 from nanovllm.cli import parse_args
 from nanovllm.batch_start import start
 args = parse_args(["run-batch", "-i", {str(inp)!r}, "-o", {str(tmp_path / "out.jsonl")!r}, "--model",
-                   {tiny_model!r}, "-dp", "2"])
+                   {tiny_model!r}, "-dp", "2", "-dpb", {backend!r}])
 started = start(args)
 heavy = [name for name in ("transformers", "nanovllm.llm", "nanovllm.engine.llm_engine") if name in sys.modules]
 replicas = started.launched.replicas
-alive = [process.is_alive() for process in replicas.processes]
-import time
-began = time.monotonic()
-replicas.close(False)  # at once, as after a bad option: the replicas are still importing
-closing = time.monotonic() - began
 assert not heavy, f"imported before the launch: {{heavy}}"
-assert alive == [True, True], alive
-assert closing < 15 and [p.exitcode for p in replicas.processes] == [0, 0], (closing, replicas.processes)
+assert len(replicas.names) == 2, replicas.names
+if {backend!r} == "mp":
+    import time
+    alive = [process.is_alive() for process in replicas.processes]
+    began = time.monotonic()
+    replicas.close(False)  # at once, as after a bad option: the replicas are still importing
+    closing = time.monotonic() - began
+    assert alive == [True, True], alive
+    assert closing < 15 and [p.exitcode for p in replicas.processes] == [0, 0], (closing, replicas.processes)
+else:
+    replicas.close(False)
 """
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, capsys):
+def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, capsys, monkeypatch):
     """Options are checked by the driver after the early launch: a bad one fails the run with its message, stops
     the replicas, and leaves no output file."""
     import multiprocessing
 
     from nanovllm import run_batch
+    from nanovllm.data_parallel import launch
+
+    launched = []
+    real = launch.launch_replicas
+    monkeypatch.setattr(launch, "launch_replicas", lambda *a: launched.append(real(*a)) or launched[-1])
 
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
@@ -283,4 +294,5 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
     err = capsys.readouterr().err
     assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
     assert not out.exists()
+    assert len(launched) == 1 and [p.exitcode is not None for p in launched[0].replicas.processes] == [True, True]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-dp-")]

@@ -1,20 +1,18 @@
 """Replicas launched before the driver imports the engine. run-batch asks for its replicas first thing, so their
 start-up (imports, model, compile, CUDA graphs) runs while the driver itself imports torch, transformers and the
 engine, rather than after: the driver's imports took as long as a replica's whole import. This module and what it
-imports (processes.py, engine/startup.py) need neither torch nor the engine; the engine is named, not imported,
-for the replicas to import themselves."""
+imports (processes.py, or ray_actors.py and Ray, and engine/startup.py) need neither torch nor the engine; the
+engine is named, not imported, for the replicas to import themselves."""
 from dataclasses import dataclass
 
 from nanovllm.engine.startup import StartupTimes
-
-from .processes import ProcessReplicas
 
 ENGINE = "nanovllm.llm:LLM"
 
 
 @dataclass
 class LaunchedReplicas:
-    replicas: ProcessReplicas
+    replicas: object  # ProcessReplicas or RayReplicas
     startup: StartupTimes  # the driver's, begun before the launch: DataParallel carries it on
 
 
@@ -26,10 +24,18 @@ def launched_phase(replicas, backend: str) -> str:
     return "replicas launched" + (f", spawned: {spawned}" if spawned else "")
 
 
-def launch_replicas(model: str, data_parallel_size: int, options: dict) -> LaunchedReplicas:
-    """Start data_parallel_size processes of LLM(model, **options) on this host (backend "mp"), forked where safe;
-    hand the result to DataParallel(..., launched=...). Raises ValueError where the GPUs do not suffice."""
+def launch_replicas(model: str, data_parallel_size: int, backend: str, options: dict) -> LaunchedReplicas:
+    """Start data_parallel_size replicas of LLM(model, **options): processes of this host (backend "mp", forked
+    where safe) or Ray actors ("ray"); hand the result to DataParallel(..., launched=...). Raises ValueError where
+    the GPUs do not suffice, ImportError where Ray is asked for and missing."""
     startup = StartupTimes()
-    replicas = ProcessReplicas(data_parallel_size, ENGINE, model, options, fork=True)
-    startup.lap(launched_phase(replicas, "mp"))
+    if backend == "mp":
+        from .processes import ProcessReplicas
+
+        replicas = ProcessReplicas(data_parallel_size, ENGINE, model, options, fork=True)
+    else:
+        from .ray_actors import RayReplicas
+
+        replicas = RayReplicas(data_parallel_size, ENGINE, model, options)
+    startup.lap(launched_phase(replicas, backend))
     return LaunchedReplicas(replicas, startup)

@@ -20,11 +20,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from importlib import import_module
 from multiprocessing import connection, current_process, get_all_start_methods, get_context
 from multiprocessing.process import BaseProcess
 
-from nanovllm.data_parallel.replica import STOP, serve
+from nanovllm.data_parallel.replica import STOP, engine_named, serve
 
 JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
 CUDA_ERROR_NOT_INITIALIZED = 3  # the CUDA driver's answer to a call before cuInit
@@ -113,15 +112,6 @@ def why_not_fork() -> str:
     if cuda_driver_initialised():
         return "the CUDA driver is initialised in this process"
     return ""
-
-
-def engine_named(engine_class: type | str) -> type:
-    """The engine class itself, or one named "module:name" (imported here): a driver that has not imported the
-    engine yet can still ask for it, since pickling a class for a spawned process imports its module."""
-    if not isinstance(engine_class, str):
-        return engine_class
-    module, _, name = engine_class.partition(":")
-    return getattr(import_module(module), name)
 
 
 @contextmanager

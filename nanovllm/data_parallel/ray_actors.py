@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 
-from nanovllm.data_parallel.replica import STOP, serve
+from nanovllm.data_parallel.replica import STOP, engine_named, serve
 
 POLL_S = 0.5  # an actor answers a poll within this long even with nothing to say
 # a poll that has something keeps gathering this long: each poll is an actor call, whose overhead runs in the
@@ -31,7 +31,7 @@ JOIN_S = 30.0
 class ReplicaActor:
     """serve() in a thread of the actor; submit() and poll() are the methods the driver calls."""
 
-    def __init__(self, engine_class: type, model: str, options: dict, requested_at: float) -> None:
+    def __init__(self, engine_class: type | str, model: str, options: dict, requested_at: float) -> None:
         self.inbox: queue.Queue = queue.Queue()
         self.outbox: queue.Queue = queue.Queue()
         self._next, self._early, self._lock = 0, {}, threading.Lock()
@@ -39,9 +39,14 @@ class ReplicaActor:
                                        daemon=True)
         self.thread.start()
 
-    def _run(self, engine_class: type, model: str, options: dict, requested_at: float) -> None:
+    def _run(self, engine_class: type | str, model: str, options: dict, requested_at: float) -> None:
         try:
-            serve(lambda: engine_class(model, **options), self.inbox, self.outbox.put, requested_at)
+            engine = engine_named(engine_class)  # imported here when named: counted in "start and imports"
+        except BaseException as error:  # the driver hears of it as of any engine that failed to start
+            self.outbox.put(("error", f"the engine failed to start: {type(error).__name__}: {error}"))
+            return
+        try:
+            serve(lambda: engine(model, **options), self.inbox, self.outbox.put, requested_at)
         except BaseException:  # serve has sent the driver its error
             pass
 
@@ -78,7 +83,7 @@ class ReplicaActor:
 class RayReplicas:
     """Starts the actors and carries messages to and from them: one poll in flight per actor."""
 
-    def __init__(self, replicas: int, engine_class: type, model: str, options: dict) -> None:
+    def __init__(self, replicas: int, engine_class: type | str, model: str, options: dict) -> None:
         try:
             import ray
         except ImportError:

@@ -14,6 +14,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
+from importlib import import_module
 from typing import NamedTuple
 
 from nanovllm.engine.startup import StartupTimes
@@ -28,6 +29,15 @@ class Work(NamedTuple):
     index: int  # the request's index in the driver's input
     prompt: object
     params: SamplingParams
+
+
+def engine_named(engine_class: type | str) -> type:
+    """The engine class itself, or one named "module:name" (imported here): a driver that has not imported the
+    engine yet can still ask for it, since pickling a class for a spawned process imports its module."""
+    if not isinstance(engine_class, str):
+        return engine_class
+    module, _, name = engine_class.partition(":")
+    return getattr(import_module(module), name)
 
 
 def serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable[[tuple], None],
