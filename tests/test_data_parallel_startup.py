@@ -296,3 +296,22 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
     assert not out.exists()
     assert len(launched) == 1 and [p.exitcode is not None for p in launched[0].replicas.processes] == [True, True]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-dp-")]
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no POSIX signal masks on this platform")
+def test_holding_sigint_restores_the_mask_it_found():
+    """The driver holds SIGINT back only while it starts a replica: a caller's own mask is left as it was."""
+    def blocked() -> bool:
+        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+
+    assert not blocked()
+    with processes.sigint_held():
+        assert blocked()
+    assert not blocked()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with processes.sigint_held():
+            assert blocked()
+        assert blocked()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

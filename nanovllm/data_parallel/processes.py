@@ -116,18 +116,24 @@ def why_not_fork() -> str:
 
 @contextmanager
 def sigint_held() -> Iterator[None]:
-    """SIGINT held back (blocked, not lost) in this thread while inside; a process started inside inherits the
-    block. Replicas start that way and lift it once their imports are done: an interrupt that lands in a fork's
-    after-fork hooks or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to
-    kill it), while one held back arrives where the replica leaves cleanly."""
-    hold = hasattr(signal, "pthread_sigmask")
-    if hold:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """SIGINT held back (blocked, not lost) in this thread while inside, the previous mask restored after; a
+    process started inside inherits the block. Replicas start that way and lift it once their imports are done
+    (_release_sigint): an interrupt that lands in a fork's after-fork hooks or inside torch's import can leave a
+    process unable to exit (the driver then waits JOIN_S to kill it), while one held back arrives where the
+    replica leaves cleanly."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        if hold:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _release_sigint() -> None:
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _replica_main(conn: connection.Connection, engine_class: type | str, model: str, options: dict,
@@ -146,13 +152,15 @@ def _replica_main(conn: connection.Connection, engine_class: type | str, model: 
             inbox.put(STOP)
 
     try:  # the driver may stop a replica at any point of its start-up, imports included
-        with sigint_held():  # held since the driver started this process (ProcessReplicas)
+        try:  # SIGINT is held back from the start (ProcessReplicas) until the imports are done
             check_devices(devices, current_process().name)
             if threads is not None:  # CPU replicas share the cores rather than each taking all of them
                 import torch
 
                 torch.set_num_threads(threads)
             engine = engine_named(engine_class)
+        finally:
+            _release_sigint()
         threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
         serve(lambda: engine(model, **options), inbox, conn.send, requested_at)
     except (BrokenPipeError, KeyboardInterrupt):  # the driver left or stopped us: not worth a traceback
