@@ -7,10 +7,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from nanovllm import batch_io
 from nanovllm.batch_io import Done
 from nanovllm.engine_flags import engine_options
+
+if TYPE_CHECKING:
+    from nanovllm.data_parallel.launch import LaunchedReplicas
 
 
 @dataclass
@@ -19,7 +23,7 @@ class BatchStart:
     done: Done  # what the output file holds already
     skipped: int  # requests answered by an earlier run
     todo: int  # requests left to answer
-    launched: object | None = None  # LaunchedReplicas, where replicas were launched before the engine's import
+    launched: "LaunchedReplicas | None" = None  # where replicas were launched before the engine's import
 
 
 def check_files(args: argparse.Namespace) -> BatchStart | int:
@@ -48,8 +52,7 @@ def start(args: argparse.Namespace) -> BatchStart | int:
     """check_files, then, with work to do and replicas to start (processes or Ray actors), the replicas
     launched."""
     started = check_files(args)
-    serial = args.data_parallel_size == 1 and args.data_parallel_backend == "mp"
-    if isinstance(started, int) or not started.todo or serial or args.data_parallel_size < 1:
+    if isinstance(started, int) or not started.todo or serial(args) or args.data_parallel_size < 1:
         return started
     from nanovllm.data_parallel.launch import launch_replicas
 
@@ -59,6 +62,11 @@ def start(args: argparse.Namespace) -> BatchStart | int:
     except (OSError, ValueError, ImportError) as error:  # more replicas than GPUs, Ray not installed
         return fail(f"cannot start the engine: {type(error).__name__}: {error}")
     return started
+
+
+def serial(args: argparse.Namespace) -> bool:
+    """One engine in this process: no replica processes or actors to start."""
+    return args.data_parallel_size == 1 and args.data_parallel_backend == "mp"
 
 
 def same_file(a: str, b: str) -> bool:

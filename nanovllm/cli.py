@@ -64,14 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from nanovllm.batch_start import start  # the files checked, replicas launched: all before torch is imported
+    from nanovllm.batch_start import fail, start  # the files checked, replicas launched: before the engine's import
 
     started = start(args)
     if isinstance(started, int):
         return started
-    from nanovllm.run_batch import run  # the engine and torch
+    try:
+        from nanovllm.run_batch import run  # the engine and torch
 
-    return run(args, started=started)
+        return run(args, started=started)
+    except KeyboardInterrupt:  # before the engine took its first request: run() answers those after
+        return fail("interrupted before any request was answered", code=130)
+    finally:
+        if started.launched is not None:  # replicas the engine never took over (it takes them, then stops them)
+            started.launched.close()
 
 
 def _version() -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
-from nanovllm.batch_start import BatchStart, check_files, fail, say
+from nanovllm.batch_start import BatchStart, check_files, fail, say, serial
 from nanovllm.cli import build_parser, main  # noqa: F401  (run_batch.main and build_parser, as before)
 from nanovllm.data_parallel import DataParallel, ReplicasLost
 from nanovllm.engine.progress import ProgressBar, TokenCounter
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     if todo:  # nothing left: no model to load
         try:  # one engine here, or a driver that feeds replicas (it holds only the tokenizer and config)
             # fork=True: this process runs nothing that a fork would break, so replicas may skip their imports
-            engine = llm or (LLM(args.model, **engine_options(args)) if _serial(args) and engine_class is LLM
+            engine = llm or (LLM(args.model, **engine_options(args)) if serial(args) and engine_class is LLM
                              else DataParallel(args.model, args.data_parallel_size, args.data_parallel_backend,
                                                engine_class=engine_class, fork=True, launched=launched,
                                                **engine_options(args)))
@@ -147,11 +147,6 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
           f"{time.perf_counter() - started.began:.1f} s"
           + (f"; per replica: {stats.per_replica}" if stats.per_replica else ""), file=sys.stderr)
     return 0
-
-
-def _serial(args: argparse.Namespace) -> bool:
-    """One engine in this process: no replica processes or actors to start."""
-    return args.data_parallel_size == 1 and args.data_parallel_backend == "mp"
 
 
 def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, done: Done, todo: int,

@@ -251,6 +251,7 @@ def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model
 import sys
 from nanovllm.cli import parse_args
 from nanovllm.batch_start import start
+from nanovllm.data_parallel.processes import JOIN_S
 args = parse_args(["run-batch", "-i", {str(inp)!r}, "-o", {str(tmp_path / "out.jsonl")!r}, "--model",
                    {tiny_model!r}, "-dp", "2", "-dpb", {backend!r}])
 started = start(args)
@@ -265,7 +266,7 @@ if {backend!r} == "mp":
     replicas.close(False)  # at once, as after a bad option: the replicas are still importing
     closing = time.monotonic() - began
     assert alive == [True, True], alive
-    assert closing < 15 and [p.exitcode for p in replicas.processes] == [0, 0], (closing, replicas.processes)
+    assert closing < JOIN_S and [p.exitcode for p in replicas.processes] == [0, 0], (closing, replicas.processes)
 else:
     replicas.close(False)
 """
@@ -284,7 +285,12 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
 
     launched = []
     real = launch.launch_replicas
-    monkeypatch.setattr(launch, "launch_replicas", lambda *a: launched.append(real(*a)) or launched[-1])
+    def spy(*args):
+        result = real(*args)
+        launched.append(result.replicas)  # handed over and cleared by the engine later
+        return result
+
+    monkeypatch.setattr(launch, "launch_replicas", spy)
 
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
@@ -294,7 +300,7 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
     err = capsys.readouterr().err
     assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
     assert not out.exists()
-    assert len(launched) == 1 and [p.exitcode is not None for p in launched[0].replicas.processes] == [True, True]
+    assert len(launched) == 1 and [p.exitcode is not None for p in launched[0].processes] == [True, True]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-dp-")]
 
 
@@ -315,3 +321,51 @@ def test_holding_sigint_restores_the_mask_it_found():
         assert blocked()
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def run_cli_in_a_process(tiny_model, tmp_path, code_before: str, *flags: str) -> subprocess.CompletedProcess:
+    """`nanovllm run-batch -dp 2` on a one-request input through cli.main in a fresh process, after `code_before`."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
+    argv = ["run-batch", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model, "-dp", "2", *flags]
+    code = code_before + f"\nimport sys\nfrom nanovllm.cli import main\nsys.exit(main({argv!r}))\n"
+    # a driver left waiting on its replicas never ends: the timeout fails the test
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_launches_before_the_engine_import(tiny_model, tmp_path):
+    """Through cli.main itself: when the launch is asked for, the driver has imported neither transformers nor the
+    engine (a bad option then ends the run quickly)."""
+    spy = """
+import sys
+from nanovllm.data_parallel import launch
+real = launch.launch_replicas
+def spy(*args):
+    heavy = [m for m in ("transformers", "nanovllm.llm") if m in sys.modules]
+    print(f"imported at the launch: {heavy}", file=sys.stderr)
+    return real(*args)
+launch.launch_replicas = spy
+"""
+    result = run_cli_in_a_process(tiny_model, tmp_path, spy, "--gpu-memory-utilization", "1.5")
+    assert result.returncode == 1 and "imported at the launch: []" in result.stderr, result.stderr[-3000:]
+    assert "cannot start the engine: ValueError: gpu_memory_utilization" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("failure", ["RuntimeError('boom')", "KeyboardInterrupt()"])
+def test_a_failure_between_launch_and_takeover_stops_the_replicas(tiny_model, tmp_path, failure):
+    """The driver fails after launching its replicas and before its engine took them over (its own import
+    interrupted, say): the launched replicas are stopped and the process ends, instead of waiting on replicas that
+    wait for work. An interrupt ends it with 130 and a message."""
+    broken = f"""
+import nanovllm.run_batch as run_batch
+def run(*args, **kwargs):
+    raise {failure}
+run_batch.run = run
+"""
+    result = run_cli_in_a_process(tiny_model, tmp_path, broken)
+    if failure.startswith("KeyboardInterrupt"):
+        assert result.returncode == 130 and "interrupted before any request was answered" in result.stderr, \
+            result.stderr[-3000:]
+    else:
+        assert result.returncode == 1 and "RuntimeError: boom" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "out.jsonl").exists()

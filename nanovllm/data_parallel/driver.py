@@ -73,7 +73,7 @@ class DataParallel:
             raise ValueError(f"data-parallel backend must be one of {BACKENDS}, got {backend!r}")
         self._clean = False  # until a run ends well, exit() interrupts the replicas
         if launched is not None:  # started by the caller before it imported the engine (launch.py)
-            self.startup, self.replicas = launched.startup, launched.replicas
+            self.startup, self.replicas = launched.startup, launched.take()
             self.startup.lap("imports")
         else:
             self.startup = StartupTimes()

@@ -1,8 +1,8 @@
 """Replicas launched before the driver imports the engine. run-batch asks for its replicas first thing, so their
-start-up (imports, model, compile, CUDA graphs) runs while the driver itself imports torch, transformers and the
-engine, rather than after: the driver's imports took as long as a replica's whole import. This module and what it
-imports (processes.py, or ray_actors.py and Ray, and engine/startup.py) need neither torch nor the engine; the
-engine is named, not imported, for the replicas to import themselves."""
+start-up (imports, model, compile, CUDA graphs) runs while the driver itself imports transformers and the engine,
+rather than after: the driver's imports took as long as a replica's whole import. This module and what it imports
+(processes.py, or ray_actors.py and Ray, and engine/startup.py) need neither transformers nor the engine (counting
+GPUs imports torch); the engine is named, not imported, for the replicas to import themselves."""
 from dataclasses import dataclass
 
 from nanovllm.engine.startup import StartupTimes
@@ -12,8 +12,22 @@ ENGINE = "nanovllm.llm:LLM"
 
 @dataclass
 class LaunchedReplicas:
-    replicas: object  # ProcessReplicas or RayReplicas
+    """Replicas launched by run-batch before its engine import; whoever holds this until DataParallel take()s them
+    close()s them, so that no error in between leaves them waiting for work (and the driver for them, forever)."""
+
+    replicas: object | None  # ProcessReplicas or RayReplicas; None once taken or closed
     startup: StartupTimes  # the driver's, begun before the launch: DataParallel carries it on
+
+    def take(self) -> object:
+        replicas, self.replicas = self.replicas, None
+        if replicas is None:
+            raise RuntimeError("these launched replicas were taken over or closed already")
+        return replicas
+
+    def close(self) -> None:
+        if self.replicas is not None:
+            replicas, self.replicas = self.replicas, None
+            replicas.close(False)
 
 
 def launched_phase(replicas, backend: str) -> str:

@@ -187,21 +187,31 @@ class ProcessReplicas:
         self.processes = []
         self.ended: set[int] = set()  # replicas whose pipe reached end-of-file
         self.reported: set[int] = set()  # ... and that lost() has named
-        for r, group in enumerate(devices):
-            parent, child = ctx.Pipe()
-            # not a daemon: daemonic processes may not start the engine's own tensor-parallel workers
-            # a forked replica inherits the driver's ends of its own pipe and of the ones before it: it closes them
-            drivers_ends = [*self.conns, parent] if self.start_method == "fork" else []
-            process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
-                                  args=(child, engine_class, model, options, group, threads, time.time(),
-                                        drivers_ends))
-            with sigint_held():  # the replica lifts it after its imports (_replica_main)
-                start_with_devices(process, group)
-            child.close()  # so that the replica's death is end-of-file here
-            self.conns.append(parent)
-            self.processes.append(process)
+        # SIGINT held over the whole launch: each replica inherits the hold and lifts it after its imports, and one
+        # that reaches the driver meanwhile arrives once every started replica is recorded here to be stopped
+        with sigint_held():
+            try:
+                for r, group in enumerate(devices):
+                    self._start(ctx, r, group, engine_class, model, options, threads)
+            except BaseException:  # a later replica failed to start: the earlier ones would wait for work forever
+                for process in self.processes:
+                    process.kill()
+                raise
         self.names = [f"replica {r} ({self.start_method}ed pid {p.pid}{f', GPUs {g}' if g else ', CPU'})"
                       for r, (p, g) in enumerate(zip(self.processes, devices))]
+
+    def _start(self, ctx, r: int, group: str | None, engine_class: type | str, model: str, options: dict,
+               threads: int | None) -> None:
+        parent, child = ctx.Pipe()
+        # not a daemon: daemonic processes may not start the engine's own tensor-parallel workers
+        # a forked replica inherits the driver's ends of its own pipe and of the ones before it: it closes them
+        drivers_ends = [*self.conns, parent] if self.start_method == "fork" else []
+        process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
+                              args=(child, engine_class, model, options, group, threads, time.time(), drivers_ends))
+        start_with_devices(process, group)
+        child.close()  # so that the replica's death is end-of-file here
+        self.conns.append(parent)
+        self.processes.append(process)
 
     def send(self, r: int, items: list) -> None:
         try:
