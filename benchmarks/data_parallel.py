@@ -14,6 +14,7 @@ import glob
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -204,6 +205,11 @@ def gpu(args: argparse.Namespace) -> None:
     if "ray" in args.configs and importlib.util.find_spec("ray") is None:
         print("ray is not installed here (pip install -e '.[ray]'): DP=2 over Ray is left out", flush=True)
         args.configs = [config for config in args.configs if config != "ray"]
+    # where a driver's imports go and whether they initialise CUDA (which makes replicas spawn), before the runs
+    probe = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                         "startup_probe.py"), "--model", model],
+                           capture_output=True, text=True, env=env, timeout=300)
+    print(f"startup_probe.py (rc {probe.returncode}):\n{probe.stdout}{probe.stderr[-2000:]}", flush=True)
     runs, failed, left_out = data_parallel_gpu.run_all(
         args, STARTED, model, requests, engine, env,
         lambda path, count, seeded: write_workload(path, count, seeded, **shape))
