@@ -146,10 +146,13 @@ def test_routed_matmuls_run_flashinfer_below_32_rows_only(routed_results):
 
 
 def test_the_built_in_routes_run_flashinfer_up_to_their_bound(routed_results):
-    """64 sequences: decode steps of 32-64 rows, where FlashInfer runs its normal (not swapped-operand) kernel."""
+    """64 sequences: with a bound past 31, decode steps of 32-64 rows run FlashInfer's normal (not swapped-operand)
+    kernel, which this run then scores against cuBLAS."""
     bound = max(rows for rows, kernel in MEASURED_ROUTES if kernel == FLASHINFER)
     seen = routed_results["calls"][BUILT_IN]
-    assert seen and max(seen) <= bound and any(rows > 31 for rows in seen), sorted(seen)
+    assert seen and max(seen) <= bound, sorted(seen)
+    if bound > 31:
+        assert any(rows > 31 for rows in seen), sorted(seen)
 
 
 @pytest.mark.parametrize("routes", ["31:flashinfer", BUILT_IN])
