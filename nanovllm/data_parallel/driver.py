@@ -27,7 +27,7 @@ from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
 
-from .launch import LaunchedReplicas, launched_phase
+from .launch import LaunchedReplicas, launched_phase, start_replicas
 from .replica import DRAIN, Work
 
 BACKENDS = DATA_PARALLEL_BACKENDS
@@ -87,14 +87,8 @@ class DataParallel:
         # a replica waits for a refill until it has room for this many, so requests travel in batches; it still
         # holds more than 7/8 of its credit, more than its engine's window of 2 x max_num_seqs
         self.refill = max(1, self.credit // 8)
-        if launched is None:
-            if backend == "mp":
-                from .processes import ProcessReplicas as Replicas
-            else:
-                from .ray_actors import RayReplicas as Replicas
-            # every replica is asked for at once, before the driver's own tokenizer: they all start meanwhile
-            self.replicas = Replicas(data_parallel_size, engine_class, model, engine_options,
-                                     **({"fork": True} if fork and backend == "mp" else {}))
+        if launched is None:  # every replica at once, before the driver's own tokenizer: they all start meanwhile
+            self.replicas = start_replicas(backend, data_parallel_size, engine_class, model, engine_options, fork)
             self.startup.lap(launched_phase(self.replicas, backend))
         self.held = [Held(name) for name in self.replicas.names]
         try:

@@ -38,18 +38,24 @@ def launched_phase(replicas, backend: str) -> str:
     return "replicas launched" + (f", spawned: {spawned}" if spawned else "")
 
 
+def start_replicas(backend: str, data_parallel_size: int, engine_class: type | str, model: str, options: dict,
+                   fork: bool = False) -> object:
+    """Every replica asked for at once: processes of this host (backend "mp"; fork: the caller allows forking where
+    it is safe) or Ray actors ("ray")."""
+    if backend == "mp":
+        from .processes import ProcessReplicas
+
+        return ProcessReplicas(data_parallel_size, engine_class, model, options, **({"fork": True} if fork else {}))
+    from .ray_actors import RayReplicas
+
+    return RayReplicas(data_parallel_size, engine_class, model, options)
+
+
 def launch_replicas(model: str, data_parallel_size: int, backend: str, options: dict) -> LaunchedReplicas:
     """Start data_parallel_size replicas of LLM(model, **options): processes of this host (backend "mp", forked
     where safe) or Ray actors ("ray"); hand the result to DataParallel(..., launched=...). Raises ValueError where
     the GPUs do not suffice, ImportError where Ray is asked for and missing."""
     startup = StartupTimes()
-    if backend == "mp":
-        from .processes import ProcessReplicas
-
-        replicas = ProcessReplicas(data_parallel_size, ENGINE, model, options, fork=True)
-    else:
-        from .ray_actors import RayReplicas
-
-        replicas = RayReplicas(data_parallel_size, ENGINE, model, options)
+    replicas = start_replicas(backend, data_parallel_size, ENGINE, model, options, fork=True)
     startup.lap(launched_phase(replicas, backend))
     return LaunchedReplicas(replicas, startup)
