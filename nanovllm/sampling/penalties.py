@@ -14,6 +14,8 @@ step's host time is on the critical path, and the same work as a chain of ~30 to
 (docs/PERFORMANCE.md compares the designs).
 """
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ import triton.language as tl
 from nanovllm.sampling.rows import SamplingRow
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
+
+_seq_id, _params, _num_prompt_tokens = attrgetter("seq_id"), attrgetter("params"), attrgetter("num_prompt_tokens")
+_STRENGTHS = tuple(map(attrgetter, ("repetition_penalty", "presence_penalty", "frequency_penalty")))
 
 
 def has_penalties(params: SamplingParams) -> bool:
@@ -141,33 +146,38 @@ class PenaltyHistories:
 
     def tensors(self, seqs: list[SamplingRow], fed_token_ids: torch.Tensor | None) -> PenaltyTensors:
         """fed_token_ids: a decode step's input ids on the device; each is appended to its row's history."""
-        in_step = {seq.seq_id for seq in seqs}
-        penalised = [has_penalties(seq.params) for seq in seqs]
+        # every decode step runs this on the host, ahead of the device: per-row work is C-level maps, not Python
+        decode = fed_token_ids is not None
+        ids = list(map(_seq_id, seqs))
+        params = list(map(_params, seqs))
+        penalised = np.fromiter(map(has_penalties, params), bool, len(seqs))
         # decode feeds the last token, possibly still PENDING on the host: it is appended from the device
-        known = [len(seq) - (fed_token_ids is not None) for seq in seqs]
-        stale = [i for i, (seq, on) in enumerate(zip(seqs, penalised))
-                 if on and (fed_token_ids is None or self.filled.get(seq.seq_id) != known[i])]
+        known = np.fromiter(map(len, seqs), np.int64, len(seqs)) - decode
+        if decode:
+            filled = np.fromiter(map(self.filled.get, ids, repeat(-1)), np.int64, len(seqs))
+            stale = np.flatnonzero(penalised & (filled != known)).tolist()
+        else:
+            stale = np.flatnonzero(penalised).tolist()
         if stale:
             # a row whose owner is not in this step can be taken: the owner copies its history again if it returns
+            in_step = set(ids)
             takeable = [row for row, owner in enumerate(self.owner) if owner is None or owner not in in_step]
             takeable.reverse()
             for i in stale:
-                self._assign_row(seqs[i].seq_id, takeable)
-        self._fit(len(self.owner) + 1, max(known) + 1)
+                self._assign_row(ids[i], takeable)
+        self._fit(len(self.owner) + 1, int(known.max()) + 1)
         spare_row = self.table.size(0) - 1
-        rows = np.array([self.row_of[seq.seq_id] if on else spare_row for seq, on in zip(seqs, penalised)])
+        rows = np.fromiter(map(self.row_of.get, ids, repeat(spare_row)), np.int64, len(seqs))
+        rows[~penalised] = spare_row
         if stale:
-            self._copy_histories([seqs[i] for i in stale], [known[i] for i in stale], rows[stale])
-        lengths = np.array([n + (fed_token_ids is not None) if on else 0 for n, on in zip(known, penalised)])
-        for seq, n, on in zip(seqs, lengths, penalised):
-            if on:
-                self.filled[seq.seq_id] = int(n)
-        prompt_lengths = [seq.num_prompt_tokens for seq in seqs]
-        meta = to_device(np.stack([rows, lengths, prompt_lengths]).astype(np.int64), self.device)
+            self._copy_histories([seqs[i] for i in stale], known[stale].tolist(), rows[stale])
+        lengths = (known + decode) * penalised
+        self.filled.update(zip(compress(ids, penalised), lengths[penalised].tolist()))
+        prompt_lengths = np.fromiter(map(_num_prompt_tokens, seqs), np.int64, len(seqs))
+        meta = to_device(np.stack([rows, lengths, prompt_lengths]), self.device)
         table_rows, length, prompt_length = meta
-        strengths = to_device(np.array([[seq.params.repetition_penalty for seq in seqs],
-                                        [seq.params.presence_penalty for seq in seqs],
-                                        [seq.params.frequency_penalty for seq in seqs]], np.float32), self.device)
+        strengths = to_device(np.stack([np.fromiter(map(setting, params), np.float32, len(seqs))
+                                        for setting in _STRENGTHS]), self.device)
         return PenaltyTensors(strengths, length, prompt_length, self.table, table_rows, int(lengths.max()),
                               fed_token_ids, self)
 
