@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nanovllm.layers.activation import _silu_and_mul_kernel
+from nanovllm.layers.layernorm import _rms_norm_kernel
 from nanovllm.quantization.fp8_activation import _quantize_activations_kernel
 from nanovllm.quantization.fp8_fused import _rms_norm_quantize_kernel, _silu_and_mul_quantize_kernel
 from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _store_kvcache_fp8_kernel,
@@ -71,6 +72,10 @@ KERNELS = [
     (_store_kvcache_fp8_kernel, dict(D=1024, BLOCK_D=1024), FP8),
     (_dequantize_blocks_kernel, dict(BLOCK_ELEMENTS=262144, CHUNK=4096), FP8),
     (_silu_and_mul_kernel, dict(BLOCK=1024), {}),
+    # RMSNorm: Qwen3-0.6B's hidden size in bf16, with and without the residual; Llama's q/k-norm-free heads never
+    # reach it, but a 128-wide per-head norm (the torch backend's) does
+    *((_rms_norm_kernel, dict(COLS=cols, BLOCK=cols, HAS_RESIDUAL=residual, BF16=True, FP16=False, OUT_BF16=True,
+                              OUT_FP16=False), {}) for cols, residual in ((1024, False), (1024, True), (128, False))),
     # an FP8 linear's input: per 128 columns (block checkpoints), per row (quantization="fp8", Qwen3-8B's down_proj)
     *((_quantize_activations_kernel, dict(COLS=cols, GROUP=group, GROUPS=4, PER_ROW=per_row),
        {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}) for cols, group, per_row in ((4096, 128, False),

@@ -38,7 +38,7 @@ class Fp8Input:
 
 
 @triton.jit
-def _round_to_bf16(x):
+def round_to_bf16(x):
     """float32 x rounded to the nearest bfloat16 (ties to even), still as float32: the cast would do it on the
     GPU, but Triton's CPU interpreter truncates instead, so the CPU tests could not check the kernels' bits."""
     bits = x.to(tl.int32, bitcast=True)
@@ -68,12 +68,12 @@ def _rms_norm_quantize_kernel(x_ptr, x_stride, residual_ptr, residual_stride, re
     x = tl.load(x_ptr + row.to(tl.int64) * x_stride + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:  # the residual add rounds to bf16, as layernorm.add_rms_norm's does
         residual = tl.load(residual_ptr + row.to(tl.int64) * residual_stride + offsets, mask=mask, other=0.0)
-        x = _round_to_bf16(x + residual.to(tl.float32))
+        x = round_to_bf16(x + residual.to(tl.float32))
         tl.store(residual_out_ptr + row.to(tl.int64) * COLS + offsets, x.to(tl.bfloat16), mask=mask)
     inverse_rms = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / COLS + eps)
     weight = tl.load(weight_ptr + offsets, mask=offsets < COLS, other=0.0).to(tl.float32)
     # layernorm.rms_norm: normalised in float32, rounded to bf16, times the weight, rounded again
-    y = _round_to_bf16(_round_to_bf16(x * inverse_rms) * weight)
+    y = round_to_bf16(round_to_bf16(x * inverse_rms) * weight)
     _quantize_groups(y, out_ptr + row.to(tl.int64) * COLS, scale_ptr + row, scale_group_stride, groups, group_mask,
                      out_ptr.dtype.element_ty)
 
@@ -90,7 +90,7 @@ def _silu_and_mul_quantize_kernel(x_ptr, x_stride, out_ptr, scale_ptr, scale_gro
     gate = tl.load(x_row + offsets, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + WIDTH + offsets, mask=mask, other=0.0).to(tl.float32)
     # activation.silu_and_mul's value (float32, one rounding to bf16), then quantized
-    y = _round_to_bf16(gate * tl.sigmoid(gate) * up)
+    y = round_to_bf16(gate * tl.sigmoid(gate) * up)
     _quantize_groups(y, out_ptr + row.to(tl.int64) * WIDTH, scale_ptr + row, scale_group_stride, groups, group_mask,
                      out_ptr.dtype.element_ty)
 

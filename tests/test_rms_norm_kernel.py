@@ -1,0 +1,94 @@
+"""The CUDA path's RMSNorm (nanovllm/layers/layernorm.py: one Triton program per row, with or without the residual
+add) against the eager functions the CPU runs and transformers' arithmetic follows: on CPU in Triton's interpreter,
+and compiled on the GPU."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanovllm.layers.layernorm import add_rms_norm, rms_norm, rms_norm_kernel
+
+
+def inputs(rows: int, cols: int, dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * torch.logspace(-1, 1, cols)).to(dtype).to(device)
+
+
+def assert_like(ours: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but for a rare last bit: the kernel adds the squares up in another order than torch's mean."""
+    assert ours.dtype == expected.dtype and ours.shape == expected.shape
+    ours, expected = ours.cpu().float(), expected.float()
+    same = (ours == expected).float().mean().item()
+    assert same > 0.995, same
+    # a last-bit difference is at most one bf16 step (2**-7 relative), which bounds fp16's (2**-10) too
+    assert ((ours - expected).abs() <= expected.abs() * 2 ** -7 + 1e-6).all()
+
+
+def check(rows: int, cols: int, dtype: torch.dtype, residual: bool, device: str, weight_dtype=None) -> None:
+    x = inputs(rows, cols, dtype, rows + cols, device)
+    weight = (1 + 0.1 * torch.randn(cols, generator=torch.Generator().manual_seed(7))).to(weight_dtype or dtype)
+    weight = weight.to(device)
+    if residual:
+        res = inputs(rows, cols, dtype, 1000 + rows, device)
+        out, residual_out = rms_norm_kernel(x, weight, 1e-6, res)
+        normed, expected_residual = add_rms_norm(x.cpu(), res.cpu(), weight.cpu(), 1e-6)
+        assert torch.equal(residual_out.cpu(), expected_residual)  # one rounding of an exact float32 sum
+    else:
+        out, normed = rms_norm_kernel(x, weight, 1e-6), rms_norm(x.cpu(), weight.cpu(), 1e-6)
+    assert_like(out, normed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("rows,cols", [(1, 512), (7, 1024), (3, 160)])  # 160: a masked tail of the block
+def test_the_kernel_is_the_eager_norm(rows, cols, dtype, residual):
+    check(rows, cols, dtype, residual, "cpu")
+
+
+def test_a_float32_weight_gives_a_float32_result_as_torch_promotes():
+    check(4, 256, torch.bfloat16, False, "cpu", weight_dtype=torch.float32)
+
+
+def test_strided_and_per_head_inputs():
+    # a slice of a wider buffer (q out of a packed qkv) and a [tokens, heads, head_dim] per-head norm
+    wide = inputs(6, 3 * 128, torch.bfloat16, 3)
+    weight = torch.ones(128, dtype=torch.bfloat16)
+    sliced = wide[:, 128:256]
+    assert torch.equal(rms_norm_kernel(sliced, weight, 1e-6), rms_norm_kernel(sliced.contiguous(), weight, 1e-6))
+    heads = wide.view(6, 3, 128)
+    out = rms_norm_kernel(heads, weight, 1e-6)
+    assert out.shape == (6, 3, 128)
+    assert_like(out, rms_norm(heads, weight, 1e-6))
+    assert rms_norm_kernel(wide[:0, :128], weight, 1e-6).shape == (0, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 37, 512])
+def test_the_compiled_kernel_on_the_gpu(rows):
+    for residual in (False, True):
+        check(rows, 4096, torch.bfloat16, residual, "cuda")
+        check(rows, 1024, torch.bfloat16, residual, "cuda")
+
+
+ENGINE_WITHOUT_DYNAMO = r'''
+import sys
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.random_checkpoint import write_random_checkpoint
+path = sys.argv[1]
+write_random_checkpoint(path, "tiny")
+llm = LLM(path, attention_backend=sys.argv[2])
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.6), use_tqdm=False)
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+'''
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flash_attn"])
+def test_an_engine_starts_and_generates_without_importing_the_compiler(backend, tmp_path):
+    """Importing TorchDynamo and Inductor and compiling with them cost each engine process seconds of start-up;
+    the default backends' layers need neither."""
+    result = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_DYNAMO, str(tmp_path / "ck"), backend],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dynamo imported: False" in result.stdout, result.stdout + result.stderr[-3000:]
