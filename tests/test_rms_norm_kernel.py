@@ -71,24 +71,34 @@ def test_the_compiled_kernel_on_the_gpu(rows):
         check(rows, 1024, torch.bfloat16, residual, "cuda")
 
 
-ENGINE_WITHOUT_DYNAMO = r'''
+ENGINE_WITHOUT_THE_COMPILER = r'''
 import sys
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.random_checkpoint import write_random_checkpoint
-path = sys.argv[1]
-write_random_checkpoint(path, "tiny")
-llm = LLM(path, attention_backend=sys.argv[2])
+llm = LLM(sys.argv[1], attention_backend=sys.argv[2], max_model_len=1024)
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.6), use_tqdm=False)
-print("dynamo imported:", "torch._dynamo" in sys.modules)
+frames = 0
+if "torch._dynamo" in sys.modules:  # imported by others' code (flash-attn's custom ops, transformers): count its work
+    from torch._dynamo.utils import counters
+    frames = counters["frames"]["total"]
+print("frames compiled:", frames)
 '''
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> str:
+    from nanovllm.utils.random_checkpoint import write_random_checkpoint
+
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=0.05, seed=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
-def test_an_engine_starts_and_generates_without_importing_the_compiler(backend, tmp_path):
-    """Importing TorchDynamo and Inductor and compiling with them cost each engine process seconds of start-up;
-    the default backends' layers need neither."""
-    result = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_DYNAMO, str(tmp_path / "ck"), backend],
+def test_an_engine_starts_and_generates_without_compiling(backend, small_model):
+    """Importing torch's compiler and compiling with it cost each engine process seconds of start-up; the default
+    backends' layers need none of it: no frame is ever handed to TorchDynamo. (Its modules may still be imported:
+    flash-attn's custom ops wrap their calls in torch's guard against tracing, which imports it at the first
+    prefill.)"""
+    result = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_THE_COMPILER, small_model, backend],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "dynamo imported: False" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "frames compiled: 0" in result.stdout, result.stdout + result.stderr[-3000:]
