@@ -1,7 +1,7 @@
 """FlashInfer against the engine's own kernels on one GPU, in parts that each end within about nine minutes:
 
     source .device/setup.sh && source .device-fi/setup.sh      # flash-attn, then FlashInfer
-    python benchmarks/flashinfer_ab.py PART [PART ...] [--runs 2] [--routes 31:flashinfer] [--only NAME,...]
+    python benchmarks/flashinfer_ab.py PART [PART ...] [--runs 2] [--routes 128:flashinfer] [--only NAME,...]
 
 Parts (minutes on one H200, estimated; the 8B parts after `checkpoints`, everything after `jit`, which fills
 FlashInfer's cache for the rest):
@@ -40,7 +40,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.get("OUT") or "/tmp"
 ROUTES_ENV = "NANOVLLM_FP8_GEMM_ROUTES"
-BUILT_IN_ROUTES = "31:flashinfer"  # fp8_routes.MEASURED_ROUTES, in ROUTES_ENV's format (test_flashinfer_dispatch)
+BUILT_IN_ROUTES = "128:flashinfer"  # fp8_routes.MEASURED_ROUTES, in ROUTES_ENV's format (test_flashinfer_dispatch)
 # bench.py with the engine's INFO log on, so the start-up's FlashInfer lines reach the log
 BENCH = ("import logging, runpy, sys; logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s'); "
          "sys.argv = ['bench.py'] + sys.argv[1:]; runpy.run_path('bench.py', run_name='__main__')")
