@@ -22,3 +22,17 @@ def graph_time_us(calls: list[Callable[[], object]], repeat: int = 1) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (repeat * len(calls))
+
+
+def loop_time_us(fn: Callable[[], object], iters: int = 30) -> float:
+    """Time per call of `fn` called back to back, launches included (after one untimed call): for calls that
+    cannot be captured in a graph or whose host work is part of what is measured."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import torch
+from cuda_timing import loop_time_us
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling import top_p_passes
@@ -25,18 +26,6 @@ OPTIONS = {"plain": {}, "seeded": dict(seed=0), "top_k=20,top_p=0.95": dict(top_
            "min_p=0.05": dict(min_p=0.05), "top_p=0.9": dict(top_p=0.9), "top_p=0.9 (sorted)": dict(top_p=0.9),
            "top_k=20,top_p=0.8,T=0.7,repetition=1.05": dict(top_k=20, top_p=0.8, temperature=0.7,
                                                             repetition_penalty=1.05)}
-
-
-def time_us(fn, iters: int = 30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def host_us(fn, iters: int = 30) -> float:
@@ -61,11 +50,11 @@ def main() -> None:
                 {"seed": i} if "seed" in options else {})})) for i in range(rows)]
             sampler.top_p_by_sort = name.endswith("(sorted)")
             tensors = sampler.prepare(seqs)
-            device = time_us(lambda logits=logits, tensors=tensors: sampler(logits, tensors))
+            device = loop_time_us(lambda logits=logits, tensors=tensors: sampler(logits, tensors))
             host = host_us(lambda logits=logits, seqs=seqs: sampler(logits, sampler.prepare(seqs)))
             print(f"| {rows} | {name} | {device:.0f} | {host:.0f} |")
-        topk_us = time_us(lambda logits=logits: logits.topk(20, dim=-1))
-        pool_us = time_us(lambda logits=logits: LargestLogits(logits, 20, chunked=True))
+        topk_us = loop_time_us(lambda logits=logits: logits.topk(20, dim=-1))
+        pool_us = loop_time_us(lambda logits=logits: LargestLogits(logits, 20, chunked=True))
         print(f"| {rows} | the 20 largest: torch.topk over the vocabulary | {topk_us:.0f} | |")
         print(f"| {rows} | the 20 largest: chunk maxima, then topk over 20 chunks | {pool_us:.0f} | |")
     print()
@@ -81,7 +70,7 @@ def main() -> None:
             scratch = top_p_floors(logits, rows, temperatures, top_p, floors, **sizes)
             layout = ScratchLayout(4096, 8192, sizes.get("tile_rows", 256))
             rounds = scratch[:, layout.state_at + top_p_passes.ROUNDS.value].int().cpu().numpy()
-            device = time_us(lambda logits=logits, floors=floors, sizes=sizes: top_p_floors(
+            device = loop_time_us(lambda logits=logits, floors=floors, sizes=sizes: top_p_floors(
                 logits, rows, temperatures, top_p, floors, **sizes))
             print(f"| {sizes or 'default'} | {std} | {device:.0f} | {np.bincount(rounds).tolist()} |")
 

@@ -14,6 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from cuda_timing import loop_time_us  # noqa: E402
 from test_gpu_flashinfer import BLOCK, HEAD_DIM, KV_HEADS, float32_attention, long_context_batch, relative_rms  # noqa: E402
 
 from nanovllm.attention.flashinfer_backend import PAGE, paged_tables  # noqa: E402
@@ -44,17 +45,6 @@ class Xqa:
                    self.workspace[:8 << 20], self.workspace[8 << 20:], True, 1, None, None)
         return out
 
-
-def microseconds(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
 
 
 def main() -> None:
@@ -89,10 +79,10 @@ def shape_times(xqa: Xqa, heads: int, batch: int, context: int, scale: float) ->
     tables = torch.randperm(blocks - 1, device="cuda")[: batch * width].view(batch, width).int()
     lens = torch.randint(context // 2, context + 1, (batch,), device="cuda", dtype=torch.int32)
     q = torch.randn(batch, heads, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    return [microseconds(lambda: paged_decode_attention(q, k8, v8, tables, lens, scale)),
-            microseconds(lambda: xqa(q, k8, v8, tables, lens, scale, 1.0, 1.0, True)),
-            microseconds(lambda: xqa(q, k8, v8, tables, lens, scale, 1.0, 1.0, False)),
-            microseconds(lambda: paged_decode_attention(q, k16, v16, tables, lens, scale))]
+    return [loop_time_us(lambda: paged_decode_attention(q, k8, v8, tables, lens, scale)),
+            loop_time_us(lambda: xqa(q, k8, v8, tables, lens, scale, 1.0, 1.0, True)),
+            loop_time_us(lambda: xqa(q, k8, v8, tables, lens, scale, 1.0, 1.0, False)),
+            loop_time_us(lambda: paged_decode_attention(q, k16, v16, tables, lens, scale))]
 
 if __name__ == "__main__":
     main()
