@@ -46,7 +46,6 @@ class Xqa:
         return out
 
 
-
 def main() -> None:
     xqa, scale = Xqa(), HEAD_DIM ** -0.5
     for heads in (16, 32):
@@ -83,6 +82,7 @@ def shape_times(xqa: Xqa, heads: int, batch: int, context: int, scale: float) ->
             loop_time_us(lambda: xqa(q, k8, v8, tables, lens, scale, 1.0, 1.0, True)),
             loop_time_us(lambda: xqa(q, k8, v8, tables, lens, scale, 1.0, 1.0, False)),
             loop_time_us(lambda: paged_decode_attention(q, k16, v16, tables, lens, scale))]
+
 
 if __name__ == "__main__":
     main()

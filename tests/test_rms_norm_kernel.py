@@ -33,6 +33,7 @@ def check(rows: int, cols: int, dtype: torch.dtype, residual: bool, device: str,
         res = inputs(rows, cols, dtype, 1000 + rows, device)
         out, residual_out = rms_norm_kernel(x, weight, 1e-6, res)
         normed, expected_residual = add_rms_norm(x.cpu(), res.cpu(), weight.cpu(), 1e-6)
+        assert residual_out.dtype == x.dtype  # the residual stays in the model dtype, whatever the weight's
         assert torch.equal(residual_out.cpu(), expected_residual)  # one rounding of an exact float32 sum
     else:
         out, normed = rms_norm_kernel(x, weight, 1e-6), rms_norm(x.cpu(), weight.cpu(), 1e-6)
@@ -46,8 +47,26 @@ def test_the_kernel_is_the_eager_norm(rows, cols, dtype, residual):
     check(rows, cols, dtype, residual, "cpu")
 
 
-def test_a_float32_weight_gives_a_float32_result_as_torch_promotes():
-    check(4, 256, torch.bfloat16, False, "cpu", weight_dtype=torch.float32)
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+def test_a_float32_weight_gives_a_float32_result_as_torch_promotes(residual):
+    check(4, 256, torch.bfloat16, residual, "cpu", weight_dtype=torch.float32)
+
+
+def test_a_residual_laid_out_unlike_x_and_an_all_zero_row():
+    # the residual a slice of a wider buffer (its own row stride); a zero row normalises through eps alone
+    x = inputs(5, 256, torch.bfloat16, 11)
+    x[2] = 0
+    wide = inputs(5, 3 * 256, torch.bfloat16, 12)
+    residual = wide[:, 256:512]
+    residual[2] = 0
+    weight = (1 + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
+    out, residual_out = rms_norm_kernel(x, weight, 1e-6, residual)
+    normed, expected_residual = add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(residual_out, expected_residual)
+    assert_like(out, normed)
+    assert torch.equal(out[2], torch.zeros(256, dtype=torch.bfloat16))
+    # eps keeps a zero row finite; without it the row would be 0 * inf
+    assert torch.isfinite(rms_norm_kernel(x[2:3], weight, 1e-6)).all()
 
 
 def test_strided_and_per_head_inputs():
