@@ -42,8 +42,7 @@ def _rms_norm_kernel(x_ptr, x_stride, residual_ptr, residual_stride, residual_ou
         residual = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = _round_to(x + residual, BF16, FP16)
         tl.store(residual_out_ptr + row * COLS + cols, x.to(residual_out_ptr.dtype.element_ty), mask=mask)
-    # a correctly rounded division (a plain '/' compiles to an approximate one on the GPU), as torch's mean
-    inverse_rms = tl.rsqrt(tl.math.div_rn(tl.sum(x * x, 0), COLS) + eps)
+    inverse_rms = tl.rsqrt(tl.sum(x * x, 0) / COLS + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     # rms_norm's roundings: normalised in float32, rounded to x's dtype, times the weight, rounded to the result's
     y = _round_to(_round_to(x * inverse_rms, BF16, FP16) * weight, OUT_BF16, OUT_FP16)
