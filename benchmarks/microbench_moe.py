@@ -11,21 +11,9 @@ import argparse
 import itertools
 
 import torch
-from cuda_timing import graph_time_us
+from cuda_timing import graph_time_us, loop_time_us
 
 from nanovllm.layers.fused_moe import TileConfig, experts_torch, experts_triton, route, tile_config
-
-
-def eager_time_us(call, repeat: int = 20) -> float:
-    call()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeat
 
 
 def calls(run, x, layers, weights, ids, *config) -> list:
@@ -60,9 +48,9 @@ def main() -> None:
         config = tile_config(ids.numel(), args.experts)
         fused = calls(experts_triton, x, layers, weights, ids, config)
         graph_us = graph_time_us(fused)
-        eager_us = sum(eager_time_us(call) for call in fused) / len(fused)
+        eager_us = sum(loop_time_us(call, 20) for call in fused) / len(fused)
         loop = calls(experts_torch, x, layers, weights, ids)
-        loop_us = sum(eager_time_us(call, repeat=5) for call in loop) / len(loop)
+        loop_us = sum(loop_time_us(call, 5) for call in loop) / len(loop)
         print(f"{batch:>6} {used:>12} {loop_us:>9.1f} {eager_us:>11.1f} {graph_us:>11.1f} "
               f"{used * expert_bytes / graph_us / 1e3:>6.0f} {loop_us / graph_us:>6.1f}x  {config}")
         if args.sweep:
