@@ -72,6 +72,17 @@ def test_asking_for_flashinfer_without_it_names_the_extra(no_flashinfer):
         make_attention_backend("flashinfer", use_cuda=False)
 
 
+def test_flashinfer_with_an_fp8_cache_warns_that_it_is_less_exact(monkeypatch, caplog):
+    monkeypatch.setattr(fib, "require_flashinfer", lambda what, submodule="": SimpleNamespace(
+        xqa_batch_decode_with_kv_cache=None))
+    with caplog.at_level("WARNING", logger="nanovllm.attention"):
+        make_attention_backend("flashinfer", use_cuda=True)
+        assert not caplog.records  # a bf16 cache runs XQA's generic kernel: nothing to warn of
+        make_attention_backend("flashinfer", use_cuda=True, fp8_kv_cache=True)
+    [record] = caplog.records
+    assert "rounds the query and the softmax probabilities to e4m3" in record.getMessage()
+
+
 def test_paged_tables_map_each_block_to_its_128_token_pages():
     tables = torch.tensor([[3, 7, 0], [5, 0, 0], [0, 0, 0]], dtype=torch.int32)
     lens = torch.tensor([300, 17, 0], dtype=torch.int32)

