@@ -3,24 +3,26 @@
     source .device/setup.sh && source .device-fi/setup.sh      # flash-attn, then FlashInfer
     python benchmarks/flashinfer_ab.py PART [PART ...] [--runs 2] [--routes 128:flashinfer] [--only NAME,...]
 
-Parts (minutes on one H200, estimated; the 8B parts after `checkpoints`, everything after `jit`, which fills
-FlashInfer's cache for the rest):
+Parts (minutes: measured on one H100 where given as one figure, else estimated; the 8B parts after `checkpoints`,
+everything after `jit`, which fills FlashInfer's cache for the rest):
   jit              FlashInfer's compile at first use, cold (an empty cache) then cached: the XQA modules the A/B
                    parts use (FP8 and bf16 caches at 2 query heads per KV head, FP8 at 4) and the routed matmuls of
                    Qwen3-8B's layers (~3-8: XQA's nvcc builds, not measured yet)
   tests-kernels    tests/test_gpu_flashinfer.py: XQA over 6k-14k contexts, the matmuls at 1-4096 rows (~2-4)
   tests-engine     tests/test_gpu_flashinfer_engine.py: long-context acceptance, routed FP8 checkpoint (~4-6)
-  tests-gpu        tests/test_gpu.py on the flashinfer backend (the families included) (~4-7)
-  tests-fp8kv      tests/test_gpu_fp8_kv.py on the flashinfer backend (~4-7)
+  tests-gpu        tests/test_gpu.py on the flashinfer backend (the families included) (~3)
+  tests-fp8kv      tests/test_gpu_fp8_kv.py on the flashinfer backend (~3)
   gemm-qwen3       benchmarks/microbench_fp8_gemm.py, Qwen3-8B layers, 1-8192 rows, with the routing table (~3-6)
   gemm-llama       the same for Llama-3.1-8B (~3-6)
   kv-default       bench.py default workload (Qwen3-0.6B): bf16 and FP8 KV cache, triton against flashinfer (~5)
   kv-long          bench.py long-context workload: the same, FP8 on both backends and bf16 on triton (~6)
-  checkpoints      writes the random Qwen3-8B, Qwen3-8B-FP8 and Llama-3.1-8B-FP8 checkpoints (~4-8)
-  weights-default  Qwen3-8B on the default workload: bf16, FP8 checkpoint on cuBLAS, and with --routes (~6)
-  weights-prefill  the same on the prefill-heavy workload (~7)
+  checkpoints      writes the random Qwen3-8B, Qwen3-8B-FP8 and Llama-3.1-8B-FP8 checkpoints (~4)
+  weights-default  Qwen3-8B on the default workload: bf16, FP8 checkpoint on cuBLAS, and with --routes (~5, with
+                   FlashInfer's matmul compile; ~3 after it)
+  weights-prefill  the same on the prefill-heavy workload (~3.5)
   anchor           Llama-3.1-8B FP8 checkpoint + FP8 KV cache, --workload 1000-1000: triton + cuBLAS (today's),
-                   flashinfer + --routes (~5); anchor-parts: flashinfer alone, --routes alone (~5)
+                   flashinfer + --routes (~7, with FlashInfer's compile); anchor-parts: flashinfer alone, --routes
+                   alone (~3.5)
   anchor-rows      Llama-3.1-8B bf16 and FP8 weights with a bf16 cache, for the README's rows beside it (~6;
                    writes the bf16 checkpoint on first use)
 
