@@ -17,8 +17,8 @@ everything after `jit`, which fills FlashInfer's cache for the rest):
   kv-default       bench.py default workload (Qwen3-0.6B): bf16 and FP8 KV cache, triton against flashinfer (~5)
   kv-long          bench.py long-context workload: the same, FP8 on both backends and bf16 on triton (~6)
   checkpoints      writes the random Qwen3-8B, Qwen3-8B-FP8 and Llama-3.1-8B-FP8 checkpoints (~4)
-  weights-default  Qwen3-8B on the default workload: bf16, FP8 checkpoint on cuBLAS, and with --routes (~5, with
-                   FlashInfer's matmul compile; ~3 after it)
+  weights-default  Qwen3-8B on the default workload: bf16, FP8 checkpoint on cuBLAS, and with --routes (~4.5, with
+                   FlashInfer's matmul compile)
   weights-prefill  the same on the prefill-heavy workload (~3.5)
   anchor           Llama-3.1-8B FP8 checkpoint + FP8 KV cache, --workload 1000-1000: triton + cuBLAS (today's),
                    flashinfer + --routes (~7, with FlashInfer's compile); anchor-parts: flashinfer alone, --routes

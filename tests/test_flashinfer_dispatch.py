@@ -13,6 +13,7 @@ import nanovllm.attention as attention
 from nanovllm.attention import KVCacheLayout, LayerKV, default_backend, make_attention_backend
 from nanovllm.attention import flashinfer_backend as fib
 from nanovllm.attention.torch_backend import TorchBackend
+from nanovllm.engine.config_checks import checked_config
 from nanovllm.quantization import fp8_flashinfer
 from nanovllm.quantization import fp8_linear as fp8
 from nanovllm.quantization.fp8_fused import Fp8Input
@@ -72,13 +73,12 @@ def test_asking_for_flashinfer_without_it_names_the_extra(no_flashinfer):
         make_attention_backend("flashinfer", use_cuda=False)
 
 
-def test_flashinfer_with_an_fp8_cache_warns_that_it_is_less_exact(monkeypatch, caplog):
-    monkeypatch.setattr(fib, "require_flashinfer", lambda what, submodule="": SimpleNamespace(
-        xqa_batch_decode_with_kv_cache=None))
-    with caplog.at_level("WARNING", logger="nanovllm.attention"):
-        make_attention_backend("flashinfer", use_cuda=True)
-        assert not caplog.records  # a bf16 cache runs XQA's generic kernel: nothing to warn of
-        make_attention_backend("flashinfer", use_cuda=True, fp8_kv_cache=True)
+def test_asking_for_flashinfer_with_an_fp8_cache_warns_that_it_is_less_exact(tiny_model, caplog):
+    with caplog.at_level("WARNING", logger="nanovllm.engine.config_checks"):
+        checked_config(tiny_model, attention_backend="flashinfer")  # a bf16 cache: XQA's generic kernel, exact
+        checked_config(tiny_model, kv_cache_dtype="fp8")  # the default backend: nothing rounded beyond the cache
+        assert not caplog.records
+        checked_config(tiny_model, attention_backend="flashinfer", kv_cache_dtype="fp8")
     [record] = caplog.records
     assert "rounds the query and the softmax probabilities to e4m3" in record.getMessage()
 

@@ -7,8 +7,6 @@
   kernel for an FP8 cache).
 - `torch`: plain torch over the same cache (CPU).
 """
-import logging
-
 import torch
 
 from nanovllm.attention.backend import AttentionBackend, LayerKV
@@ -22,7 +20,6 @@ from nanovllm.utils.flashinfer import flashinfer_installed
 # kernel (tests/test_gpu_flashinfer_engine.py), and on peaked logits it fails the FP8 cache's acceptance bars
 # (tests/test_gpu_fp8_kv.py); figures in docs/flashinfer.md.
 FLASHINFER_FOR_FP8_KV_ON_HOPPER = False
-logger = logging.getLogger(__name__)
 
 __all__ = ["AttentionBackend", "BACKEND_NAMES", "KVCacheLayout", "LayerKV", "default_backend",
            "make_attention_backend"]
@@ -63,8 +60,4 @@ def make_attention_backend(name: str | None, use_cuda: bool, fp8_kv_cache: bool 
         device = "a CUDA device" if use_cuda else "no CUDA device"
         raise ValueError(f"attention_backend={name!r} does not run with {device} here; "
                          f"use {'triton, flash_attn or flashinfer' if use_cuda else 'torch'} (or None)")
-    if name == "flashinfer" and fp8_kv_cache:
-        logger.warning("attention_backend='flashinfer' with an FP8 KV cache: XQA's FP8 decode also rounds the query "
-                       "and the softmax probabilities to e4m3, so it is less exact than the FP8 cache alone (the "
-                       "default backend keeps both in 16 bits; docs/flashinfer.md)")
     return backend_class()

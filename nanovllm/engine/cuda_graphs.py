@@ -46,9 +46,10 @@ class CUDAGraphs:
             inputs["slot_mapping"].fill_(-1)  # capture runs the model: write no KV
             set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
                         block_tables=inputs["block_tables"])
-            # an eager pass first compiles what this size needs, never inside a capture: Triton specialises a kernel
-            # for integer arguments of 1 or a multiple of 16 and for 16-byte aligned pointers, so every size of 16
-            # rows or more that is a multiple of 16 runs what size 16 compiled; the largest and those under 16 may not
+            # an eager pass compiles what a size runs before its capture; the passes took about half the capture's time,
+            # so only the largest size (the first captured) and those of up to 16 rows get one. A size in between
+            # may still meet a Triton variant of its own (decode's split count depends on the batch) and compile it
+            # inside its capture: loading a module is no stream operation, and captures allow it
             if bs <= 16 or bs == self.sizes[-1]:
                 self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
             if bs == self.sizes[-1]:  # the first decode forward compiles what the prefill warmup did not
@@ -56,6 +57,7 @@ class CUDAGraphs:
                 lap("decode warmup and compile")
             # torch.cuda.graph would empty the allocator's cache before every capture (cudaFree, then the next size's
             # warmup cudaMalloc again): the cache is kept, as vLLM keeps it, so each size reuses the last one's memory
+            torch.cuda.synchronize()  # as torch.cuda.graph does: nothing of any stream (NCCL's too) still running
             self.capture_stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.capture_stream):
                 graph.capture_begin(self.pool)
