@@ -16,11 +16,12 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from steady_probe import GpuBusy, SteadyProbe
 
@@ -44,6 +45,7 @@ class Run:
     end: float  # s from process start to its exit
     startup: str  # run-batch's start-up line
     steady_state: str = ""  # where the steady state's host and GPU time went (steady_probe.py)
+    round: int = 1  # with --rounds: which pass over the configurations
 
 
 def steady_rate(samples: list[tuple[float, int]], total: int, start_fraction: float = STEADY_FROM) -> float:
@@ -126,7 +128,8 @@ def cache_env(base: dict, folder: str) -> dict:
 def run_all(args: argparse.Namespace, began: float, model: str, requests: int, engine: list[str], base_env: dict,
             write_workload) -> tuple[list[Run], list[str], list[str]]:
     """(runs, failures, left out) for every configuration and seeding asked for, in the order unseeded DP=1,
-    processes, Ray, then seeded. began: the perf_counter() the budget counts from."""
+    processes, Ray, then seeded, args.rounds times over (round 1 of every run before round 2). began: the
+    perf_counter() the budget counts from."""
     runs, failed, left_out = [], [], []
     longest = 0.0
     with tempfile.TemporaryDirectory(prefix="nanovllm-dp-bench-") as tmp:
@@ -142,45 +145,45 @@ def run_all(args: argparse.Namespace, began: float, model: str, requests: int, e
                 result = timed_run("dp1", seeding, model, warm, warm + ".out", WARMUP_REQUESTS, engine, shared,
                                    min(args.run_timeout_s, args.budget_s - (time.perf_counter() - began)))
                 print(f"warm-up, {seeding}: {'done' if isinstance(result, Run) else 'failed: ' + result}", flush=True)
-        for seeding in args.seeding:
-            for config in args.configs:
-                label = f"{CONFIGS[config][0]}, {seeding}"
-                if time.perf_counter() - began + longest > args.budget_s:
-                    left_out.append(label)
-                    print(f"{label}: left out, the budget of {args.budget_s:.0f} s has no room for another run of "
-                          f"{longest:.0f} s", flush=True)
-                    continue
-                env = shared if args.warm_caches else cache_env(base_env, os.path.join(tmp, f"caches-{len(runs)}"
-                                                                                        f"-{len(failed)}"))
-                out = os.path.join(tmp, f"out-{config}-{seeding}.jsonl")
-                started = time.perf_counter()
-                left = args.budget_s - (time.perf_counter() - began)  # a run never outlasts the budget
-                result = timed_run(config, seeding, model, inputs[seeding], out, requests,
-                                   [*engine, *CONFIGS[config][1]], env, min(args.run_timeout_s, left))
-                longest = max(longest, time.perf_counter() - started)
-                if isinstance(result, str):
-                    print(f"{label}: failed: {result}", flush=True)
-                    failed.append(label)
-                    save(runs, failed, left_out)
-                    continue
-                print(f"{label}: {result.steady:.1f} req/s steady, {result.to_mark:.1f} s to {STEADY_FROM:.0%} of the "
-                      f"lines, {result.wall:.1f} s to the last line, process ended at {result.end:.1f} s; start-up: "
-                      f"{result.startup}; {result.steady_state}", flush=True)
-                runs.append(result)
+        for round_, seeding, config in [(r, s, c) for r in range(1, args.rounds + 1) for s in args.seeding
+                                        for c in args.configs]:
+            label = f"{CONFIGS[config][0]}, {seeding}" + (f", round {round_}" if args.rounds > 1 else "")
+            if time.perf_counter() - began + longest > args.budget_s:
+                left_out.append(label)
+                print(f"{label}: left out, the budget of {args.budget_s:.0f} s has no room for another run of "
+                      f"{longest:.0f} s", flush=True)
+                continue
+            env = shared if args.warm_caches else cache_env(base_env, os.path.join(tmp, f"caches-{len(runs)}"
+                                                                                    f"-{len(failed)}"))
+            out = os.path.join(tmp, f"out-{config}-{seeding}-{round_}.jsonl")
+            started = time.perf_counter()
+            left = args.budget_s - (time.perf_counter() - began)  # a run never outlasts the budget
+            result = timed_run(config, seeding, model, inputs[seeding], out, requests,
+                               [*engine, *CONFIGS[config][1]], env, min(args.run_timeout_s, left))
+            longest = max(longest, time.perf_counter() - started)
+            if isinstance(result, str):
+                print(f"{label}: failed: {result}", flush=True)
+                failed.append(label)
                 save(runs, failed, left_out)
+                continue
+            print(f"{label}: {result.steady:.1f} req/s steady, {result.to_mark:.1f} s to {STEADY_FROM:.0%} of the "
+                  f"lines, {result.wall:.1f} s to the last line, process ended at {result.end:.1f} s; start-up: "
+                  f"{result.startup}; {result.steady_state}", flush=True)
+            runs.append(replace(result, round=round_))
+            save(runs, failed, left_out)
     return runs, failed, left_out
 
 
 def table(runs: list[Run]) -> str:
     """Markdown, as issue 44 set it out: each run's figures, with (in brackets) DP=2 over processes against DP=1
     (steady rate, and DP=1's wall time over this one's) and Ray against processes (steady rate), each against the
-    run of the same seeding."""
-    by = {(run.config, run.seeding): run for run in runs}
+    run of the same seeding and round."""
+    by = {(run.config, run.seeding, run.round): run for run in runs}
     requests = runs[0].requests if runs else 0
     lines = [f"| configuration | seeding | steady req/s | to {STEADY_FROM:.0%} of {requests:,} lines | wall, process "
              f"start to last line | process end |", "| --- | --- | --- | --- | --- | --- |"]
     for run in runs:
-        dp1, mp = by.get(("dp1", run.seeding)), by.get(("mp", run.seeding))
+        dp1, mp = by.get(("dp1", run.seeding, run.round)), by.get(("mp", run.seeding, run.round))
         steady, wall = f"{run.steady:,.0f}", f"{run.wall:.1f} s"
         if run.config == "mp" and dp1:
             steady += f" ({run.steady / dp1.steady:.2f}x)"
@@ -188,13 +191,39 @@ def table(runs: list[Run]) -> str:
             steady += f" ({run.steady / mp.steady:.2f}x of processes)"
         if run.config != "dp1" and dp1:
             wall += f" ({dp1.wall / run.wall:.2f}x)"
-        lines.append(f"| {CONFIGS[run.config][0]} | {run.seeding} | {steady} | {run.to_mark:.1f} s | {wall} | "
-                     f"{run.end:.1f} s |")
+        name = CONFIGS[run.config][0] + (f", round {run.round}" if any(r.round > 1 for r in runs) else "")
+        lines.append(f"| {name} | {run.seeding} | {steady} | {run.to_mark:.1f} s | {wall} | {run.end:.1f} s |")
+    return "\n".join(lines)
+
+
+def medians(runs: list[Run]) -> str:
+    """Markdown: per configuration and seeding, the median over its rounds of the steady rate and of the wall time,
+    and the same ratios as table() between those medians ("" where no configuration ran more than once)."""
+    groups: dict[tuple[str, str], list[Run]] = {}
+    for run in runs:
+        groups.setdefault((run.config, run.seeding), []).append(run)
+    if all(len(group) < 2 for group in groups.values()):
+        return ""
+    steady = {key: statistics.median(run.steady for run in group) for key, group in groups.items()}
+    wall = {key: statistics.median(run.wall for run in group) for key, group in groups.items()}
+    lines = ["| configuration | seeding | rounds | median steady req/s | median wall |",
+             "| --- | --- | --- | --- | --- |"]
+    for (config, seeding), group in groups.items():
+        rate, time_ = f"{steady[config, seeding]:,.0f}", f"{wall[config, seeding]:.1f} s"
+        dp1, mp = ("dp1", seeding), ("mp", seeding)
+        if config == "mp" and dp1 in steady:
+            rate += f" ({steady[config, seeding] / steady[dp1]:.2f}x)"
+        if config == "ray" and mp in steady:
+            rate += f" ({steady[config, seeding] / steady[mp]:.2f}x of processes)"
+        if config != "dp1" and dp1 in wall:
+            time_ += f" ({wall[dp1] / wall[config, seeding]:.2f}x)"
+        lines.append(f"| {CONFIGS[config][0]} | {seeding} | {len(group)} | {rate} | {time_} |")
     return "\n".join(lines)
 
 
 def summary(runs: list[Run], failed: list[str], left_out: list[str]) -> str:
-    text = table(runs) + "\n\nStart-up, per run (run-batch's line):\n\n" + "\n".join(
+    text = table(runs) + (f"\n\nMedians over the rounds:\n\n{medians(runs)}" if medians(runs) else "")
+    text += "\n\nStart-up, per run (run-batch's line):\n\n" + "\n".join(
         f"- {CONFIGS[run.config][0]}, {run.seeding}: {run.startup}" for run in runs)
     text += "\n\nSteady state, per run:\n\n" + "\n".join(
         f"- {CONFIGS[run.config][0]}, {run.seeding}: {run.steady_state}" for run in runs)
@@ -223,6 +252,12 @@ def report(runs: list[Run], failed: list[str], left_out: list[str]) -> None:
         sys.exit(f"failed: {'; '.join(failed)}")
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="checkpoint (default: Qwen3-0.6B-shaped random weights; tiny "
                                                  "with --cpu-smoke)")
@@ -234,6 +269,9 @@ def add_arguments(g: argparse.ArgumentParser) -> None:
     g.add_argument("--warm-caches", action="store_true",
                    help="share one set of compile caches among the runs, filled first by an untimed run of each "
                         "seeding (default: fresh, empty caches for every run)")
+    g.add_argument("--rounds", type=positive_int, default=1,
+                   help="run every configuration this many times, round 1 of all before round 2, and add the "
+                        "medians over the rounds (single runs of one configuration can differ by about 10%%)")
     g.add_argument("--budget-s", type=float, default=540.0,
                    help="leave out the runs that would end past this many seconds from the start (default 540)")
     g.add_argument("--run-timeout-s", type=float, default=300.0, help="a run still going after this long is killed")

@@ -167,14 +167,37 @@ def test_a_sender_whose_driver_is_gone_raises_on_the_next_put():
         sender.put(("result", (0, "a")))
 
 
-def test_the_benchmarks_steady_rate_starts_at_2_percent_of_the_lines():
+def load_benchmark():
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "data_parallel.py")
     spec = importlib.util.spec_from_file_location("data_parallel_benchmark", path)
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
+    return benchmark
+
+
+def test_the_benchmarks_steady_rate_starts_at_2_percent_of_the_lines():
+    benchmark = load_benchmark()
     # 2% of 150 lines is 3: from (1.0 s, 3 lines) to (5.0 s, 150 lines), the early second and its line left out
     samples = [(0.0, 1), (1.0, 3), (2.5, 60), (5.0, 150)]
     assert benchmark.steady_rate(samples, 150) == (150 - 3) / (5.0 - 1.0)
     assert benchmark.steady_rate([(0.0, 2), (2.0, 10), (4.0, 100)], 100) == (100 - 2) / 4.0  # 2 lines are 2%
     with pytest.raises(ValueError, match="no interval"):
         benchmark.steady_rate([(0.0, 1), (3.0, 100)], 100)  # 2% exist only at the end
+
+
+def test_the_benchmark_compares_runs_within_a_round_and_medians_across_rounds():
+    gpu = load_benchmark().data_parallel_gpu
+
+    def run(config, steady, wall, round_):
+        return gpu.Run(config, "seeded", 1000, steady, 1.0, wall, wall + 1, "", "", round_)
+
+    runs = [run("dp1", 100, 80.0, 1), run("mp", 190, 50.0, 1), run("dp1", 120, 70.0, 2), run("mp", 180, 40.0, 2),
+            run("dp1", 110, 75.0, 3), run("mp", 200, 45.0, 3)]
+    rows = gpu.table(runs).splitlines()
+    # each DP=2 run against the DP=1 run of its own round
+    assert "| DP=2, processes, round 2 | seeded | 180 (1.50x) | 1.0 s | 40.0 s (1.75x) |" in rows[5]
+    medians = gpu.medians(runs).splitlines()
+    assert medians[2] == "| DP=1 | seeded | 3 | 110 | 75.0 s |"
+    assert medians[3] == "| DP=2, processes | seeded | 3 | 190 (1.73x) | 45.0 s (1.67x) |"
+    assert gpu.medians(runs[:2]) == ""  # one round: nothing to take a median of
+    assert "Medians over the rounds" in gpu.summary(runs, [], []) and "Medians" not in gpu.summary(runs[:2], [], [])
