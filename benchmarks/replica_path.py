@@ -1,7 +1,7 @@
 """What the data-parallel replica path costs, on one GPU: run-batch with its engine in its own process against the
 same requests through one forked replica process (the path each replica of `-dp 2` runs: the driver, the inbox, the
 sender thread), seeded and unseeded, the seeded pair twice and once with a 0.5 ms GIL switch interval (inherited by
-the forked replica). Each run is a fresh process; its output is watched as it grows (every 50 ms).
+the forked replica). Each run is a fresh process; its output is watched as it grows (data_parallel_gpu's watcher).
 
     python benchmarks/replica_path.py [--requests 8192] [--model DIR]
 
@@ -16,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from data_parallel import write_workload  # noqa: E402
+from data_parallel_gpu import lines_over_time, steady_rate  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (engine: "inproc" in run-batch's process or "replica" through one forked replica process, seeded, switch interval)
@@ -42,20 +43,12 @@ def timed(engine: str, seeded: bool, switch: str, inp: str, out: str, model: str
     with open(out + ".err", "w") as err:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--run", engine, "-i", inp, "-o", out,
                                  "--model", model, *extra], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        samples = []
-        while True:
-            done = proc.poll() is not None
-            try:
-                with open(out, "rb") as f:
-                    samples.append((time.perf_counter() - start, f.read().count(b"\n")))
-            except FileNotFoundError:
-                pass
-            if done:
-                break
-            time.sleep(0.05)
-    mark = next((s for s in samples if s[1] >= 0.02 * requests), None)
+        samples = lines_over_time(proc, out, start)
     last = samples[-1] if samples else (0.0, 0)
-    steady = (last[1] - mark[1]) / (last[0] - mark[0]) if mark and last[0] > mark[0] else float("nan")
+    try:
+        steady = steady_rate(samples, requests)
+    except ValueError:  # every line at once (a tiny run): no interval to time
+        steady = float("nan")
     lines = open(out + ".err").read().replace("\r", "\n").splitlines()
     startup = next((line.split("start-up: ", 1)[1] for line in lines if "start-up: " in line), lines[-1:] or "?")
     return (f"{engine:8s} {'seeded' if seeded else 'unseeded':9s} switch={switch or 'default':7s} rc {proc.returncode} "
