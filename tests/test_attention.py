@@ -131,6 +131,37 @@ def test_triton_decode_kernel_matches_flash_attn_on_gpu():
     assert (out.float() - expected.float()).abs().max() <= 2 ** -7 * expected.float().abs().max()
 
 
+@pytest.mark.gpu
+def test_varlen_attention_is_flash_attn_varlen_func_bit_for_bit():
+    """The prefill's attention gives flash_attn_varlen_func's result bit for bit, packed and paged (a cached
+    prefix): the same kernel, called through flash-attn's extension where its version allows."""
+    from flash_attn import flash_attn_varlen_func
+
+    from nanovllm.attention.flash_attn_backend import _extension_varlen_fwd, varlen_attention
+
+    torch.manual_seed(0)
+    lengths, cached, block = [5, 300, 77], [0, 256, 0], 256
+    new = [n - c for n, c in zip(lengths, cached)]
+    cu = lambda sizes: torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
+                                    device="cuda")
+    q = torch.randn(sum(new), 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    scale = 128 ** -0.5
+    packed = varlen_attention(q[:5], k[:5], v[:5], cu([5]), cu([5]), 5, 5, scale, None)
+    assert torch.equal(packed, flash_attn_varlen_func(q[:5], k[:5], v[:5], cu([5]), cu([5]), 5, 5,
+                                                      softmax_scale=scale, causal=True))
+    k_cache, v_cache = (torch.randn(6, block, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    block_table = torch.tensor([[0, 5], [3, 1], [2, 4]], dtype=torch.int32, device="cuda")
+    args = (cu(new), cu(lengths), max(new), max(lengths))
+    paged = varlen_attention(q, k_cache, v_cache, *args, scale, block_table)
+    assert torch.equal(paged, flash_attn_varlen_func(q, k_cache, v_cache, *args, softmax_scale=scale, causal=True,
+                                                     block_table=block_table))
+    assert paged.abs().sum() > 0
+    import flash_attn
+
+    print(f"flash-attn {flash_attn.__version__}: extension called directly: {_extension_varlen_fwd() is not None}")
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_backends_write_the_same_cache_and_rotate_the_same_way(qk_norm):
     """The Triton backend's fused q/k-norm + RoPE + KV write equals the plain path (norms, RoPE, then a store);

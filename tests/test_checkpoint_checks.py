@@ -248,3 +248,42 @@ def test_tokenizer_files_missing_or_broken(tiny_model, tmp_path):
     looked_for = rf"no tokenizer files in {re.escape(path)}: looked for tokenizer\.json"
     with pytest.raises(FileNotFoundError, match=looked_for):
         load_tokenizer(path)
+
+
+def test_an_engine_loads_its_tokenizer_beside_its_model_and_fails_cleanly(tiny_model, tmp_path, monkeypatch):
+    """The tokenizer loads in a thread while the model starts: missing files fail before the model is touched, a
+    broken file fails with the loader's error once the model is up, which is then released, and no thread is
+    left behind either way."""
+    import threading
+
+    import nanovllm.engine.llm_engine as llm_engine
+
+    path = variant(tiny_model, str(tmp_path / "ckpt"))
+    tokenizer_json = os.path.join(path, "tokenizer.json")
+    with open(tokenizer_json) as f:
+        good = f.read()
+    with open(tokenizer_json, "w") as f:
+        f.write("{not json")
+    released = []
+    real_exit = llm_engine.ModelRunner.exit
+    monkeypatch.setattr(llm_engine.ModelRunner, "exit", lambda runner: (released.append(runner), real_exit(runner)))
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {re.escape(path)}"):
+        LLM(path, **ENGINE)
+    assert len(released) == 1  # the model had started, and was released
+    os.remove(tokenizer_json)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was started before the tokenizer's files were checked")
+
+    monkeypatch.setattr(llm_engine, "ModelRunner", no_model)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        LLM(path, **ENGINE)
+    assert not [t.name for t in threading.enumerate() if t.name == "nanovllm-tokenizer"]
+    monkeypatch.undo()
+    with open(tokenizer_json, "w") as f:
+        f.write(good)
+    llm = LLM(path, **ENGINE)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    assert not [t.name for t in threading.enumerate() if t.name == "nanovllm-tokenizer"]
+    assert [name for name, _ in llm.startup.phases].count("tokenizer") == 1
+    llm.exit()

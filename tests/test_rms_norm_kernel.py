@@ -91,15 +91,21 @@ def test_the_compiled_kernel_on_the_gpu(rows):
 
 
 ENGINE_WITHOUT_THE_COMPILER = r'''
-import sys
+import importlib.abc, sys, traceback
+
+
+class NameWhoImportsTheCompiler(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch._dynamo":
+            traceback.print_stack(limit=20)
+        return None
+
+
+sys.meta_path.insert(0, NameWhoImportsTheCompiler())
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], attention_backend=sys.argv[2], max_model_len=1024)
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.6), use_tqdm=False)
-frames = 0
-if "torch._dynamo" in sys.modules:  # imported by others' code (flash-attn's custom ops, transformers): count its work
-    from torch._dynamo.utils import counters
-    frames = counters["frames"]["total"]
-print("frames compiled:", frames)
+print("TorchDynamo imported:", "torch._dynamo" in sys.modules)
 '''
 
 
@@ -113,11 +119,10 @@ def small_model(tmp_path_factory) -> str:
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_an_engine_starts_and_generates_without_compiling(backend, small_model):
-    """Importing torch's compiler and compiling with it cost each engine process seconds of start-up; the default
-    backends' layers need none of it: no frame is ever handed to TorchDynamo. (Its modules may still be imported:
-    flash-attn's custom ops wrap their calls in torch's guard against tracing, which imports it at the first
-    prefill.)"""
+    """Importing torch's compiler cost each engine process a second or more of start-up; the default backends
+    need none of it: the layers' kernels are Triton's, and the prefill calls flash-attn's extension itself rather
+    than through its custom op, whose wrapper imports TorchDynamo at the first call."""
     result = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_THE_COMPILER, small_model, backend],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "frames compiled: 0" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "TorchDynamo imported: False" in result.stdout, result.stdout + result.stderr[-3000:]

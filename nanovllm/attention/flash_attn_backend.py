@@ -1,3 +1,7 @@
+import functools
+import re
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +46,45 @@ def _store_kvcache_fp8_kernel(
     tl.store(k_cache_ptr + slot * D + offsets, to_fp8(key, k_inverse_scale, k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * D + offsets, to_fp8(value, v_inverse_scale, v_cache_ptr.dtype.element_ty),
              mask=mask)
+
+
+# the flash-attn releases whose extension's varlen_fwd takes the arguments varlen_attention passes (2.8's flash_api)
+EXTENSION_SIGNATURE_FROM = (2, 8)
+
+
+@functools.cache
+def _extension_varlen_fwd() -> Callable | None:
+    """flash-attn's varlen forward as its extension exports it, where its signature is the one known here.
+
+    flash_attn_varlen_func reaches the same kernel through an autograd Function and a torch custom op, whose
+    wrapper imports TorchDynamo at its first call (about a second of every engine's start-up) and adds its
+    dispatch to every layer of every prefill."""
+    import flash_attn
+
+    if tuple(int(part) for part in re.findall(r"\d+", flash_attn.__version__)[:2]) < EXTENSION_SIGNATURE_FROM:
+        return None
+    import flash_attn_2_cuda
+
+    return flash_attn_2_cuda.varlen_fwd
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                     block_table: torch.Tensor | None) -> torch.Tensor:
+    """Causal attention over packed sequences, flash_attn_varlen_func's for inference: q (tokens, heads, dim); k
+    and v packed like q, or a paged cache (blocks, block size, KV heads, dim) read through `block_table`."""
+    varlen_fwd = _extension_varlen_fwd()
+    if varlen_fwd is None:
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=scale,
+                                      causal=True, block_table=block_table)
+    # out, seqused_k, leftpad_k, block_table, alibi_slopes, ..., dropout, scale, zero_tensors, causal, window
+    # left/right, softcap, return_softmax, generator
+    out, *_ = varlen_fwd(q, k, v, None, cu_seqlens_q, cu_seqlens_k, None, None, block_table, None, max_seqlen_q,
+                         max_seqlen_k, 0.0, scale, False, True, -1, -1, 0.0, False, None)
+    return out
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, cache: LayerKV, slot_mapping: torch.Tensor) -> None:
@@ -125,18 +168,13 @@ class FlashAttnBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV | None, context: Context,
                 scale: float) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func
-
         block_tables = context.block_tables
         if block_tables is not None:  # a cached prefix: read all keys from the paged cache
             k, v = cache.k, cache.v
             if cache.quantized:
                 (k, v), block_tables = dequantized_blocks(cache, context, q.dtype), context.used_block_tables
-        return flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
-            max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
-            softmax_scale=scale, causal=True, block_table=block_tables,
-        )
+        return varlen_attention(q, k, v, context.cu_seqlens_q, context.cu_seqlens_k, context.max_seqlen_q,
+                                context.max_seqlen_k, scale, block_tables)
 
     def decode(self, q: torch.Tensor, cache: LayerKV, context: Context, scale: float) -> torch.Tensor:
         from flash_attn import flash_attn_with_kvcache
