@@ -97,7 +97,8 @@ import importlib.abc, sys, traceback
 class NameWhoImportsTheCompiler(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "torch._dynamo":
-            traceback.print_stack(limit=20)
+            frames = [f.filename for f in traceback.extract_stack()[:-1] if not f.filename.startswith("<")]
+            print("TorchDynamo imported by:", frames[-1])
         return None
 
 
@@ -105,7 +106,11 @@ sys.meta_path.insert(0, NameWhoImportsTheCompiler())
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], attention_backend=sys.argv[2], max_model_len=1024)
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.6), use_tqdm=False)
-print("TorchDynamo imported:", "torch._dynamo" in sys.modules)
+frames = 0
+if "torch._dynamo" in sys.modules:
+    from torch._dynamo.utils import counters
+    frames = counters["frames"]["total"]
+print("frames compiled:", frames)
 '''
 
 
@@ -120,9 +125,13 @@ def small_model(tmp_path_factory) -> str:
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_an_engine_starts_and_generates_without_compiling(backend, small_model):
     """Importing torch's compiler cost each engine process a second or more of start-up; the default backends
-    need none of it: the layers' kernels are Triton's, and the prefill calls flash-attn's extension itself rather
-    than through its custom op, whose wrapper imports TorchDynamo at the first call."""
+    need none of it, and no frame is ever handed to it: the layers' kernels are Triton's, and the prefill calls
+    flash-attn's extension itself rather than through its custom op, whose wrapper imports TorchDynamo at the
+    first call. Some transformers versions import it in their own tokenizer modules, which is not ours to avoid."""
     result = subprocess.run([sys.executable, "-c", ENGINE_WITHOUT_THE_COMPILER, small_model, backend],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "TorchDynamo imported: False" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "frames compiled: 0" in result.stdout, result.stdout + result.stderr[-3000:]
+    importers = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("TorchDynamo")]
+    # some transformers versions' tokenizer modules import it themselves (5.17 does, 5.24 does not)
+    assert all("/transformers/" in importer for importer in importers), result.stdout
