@@ -24,7 +24,7 @@ from nanovllm.engine.step import Step
 from nanovllm.engine.tp_workers import Workers, deferred_interrupt
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tokenizer import TokenizerLoad
+from nanovllm.utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class LLMEngine:
         # everything that can be checked without the model, before any process or memory is taken
         make_attention_backend(config.attention_backend, torch.cuda.is_available()).check_block_size(
             config.kvcache_block_size)
-        tokenizer_load = TokenizerLoad(config.model)  # a thread of its own while the model starts
+        self.tokenizer = load_tokenizer(config.model)
+        self.startup.lap("tokenizer")
         if config.tensor_parallel_size > 1:
             if torch.cuda.is_available() and torch.cuda.device_count() < config.tensor_parallel_size:
                 raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} exceeds the "
@@ -68,13 +69,6 @@ class LLMEngine:
             finally:
                 self.workers.close(timeout=5)
             raise
-        try:
-            self.tokenizer = tokenizer_load.result()
-        except BaseException:
-            self._exited = False  # the model and any workers are up: release them
-            self.exit()
-            raise
-        self.startup.lap("tokenizer")  # what was left of its load once the model was ready
         self.detokenizer = Detokenizer(self.tokenizer)
         self.vocab_size = config.hf_config.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_kvcache_blocks)
