@@ -27,7 +27,9 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
     return min(16, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
 
 
-@triton.jit
+# num_splits and MAX_SPLITS would otherwise vary with the batch size (default_max_splits), each value a compile of
+# its own: in a cold start, inside the CUDA-graph capture of the sizes that need it
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_attention(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     counters_ptr, scale_log2, value_scale, split_len, num_splits, q_stride, out_stride, bt_stride,
@@ -114,6 +116,9 @@ def _decode_attention(
         tl.atomic_xchg(counter, 0)
 
 
+# the merge reads this many slices' log-sum-exps at once (masked past a sequence's own): default_max_splits' largest
+MERGE_WIDTH = 16
+
 # (BLOCK_N, num_warps, num_stages) per cache dtype, from benchmarks/microbench_fp8_decode.py --sweep on an H200
 TUNED = {False: (64, 4, 2), True: (64, 2, 2)}
 
@@ -157,7 +162,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=block_n, MAX_SPLITS=triton.next_power_of_2(num_splits), FP8_KV=fp8,
+        BLOCK_N=block_n, MAX_SPLITS=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)), FP8_KV=fp8,
         num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )
     return out
