@@ -133,34 +133,36 @@ def test_triton_decode_kernel_matches_flash_attn_on_gpu():
 
 @pytest.mark.gpu
 def test_varlen_attention_is_flash_attn_varlen_func_bit_for_bit():
-    """The prefill's attention gives flash_attn_varlen_func's result bit for bit, packed and paged (a cached
-    prefix): the same kernel, called through flash-attn's extension where its version allows."""
+    """The prefill's attention gives flash_attn_varlen_func's result bit for bit, packed (several sequences, K and
+    V strided views of one projection, as the model hands them over) and paged (a cached prefix): the same kernel,
+    called through flash-attn's extension where its version allows."""
+    import flash_attn
     from flash_attn import flash_attn_varlen_func
 
-    from nanovllm.attention.flash_attn_backend import _extension_varlen_fwd, varlen_attention
+    from nanovllm.attention.flash_attn_backend import EXTENSION_SIGNATURE, _extension_varlen_fwd, varlen_attention
 
     torch.manual_seed(0)
-    lengths, cached, block = [5, 300, 77], [0, 256, 0], 256
+    lengths, cached, block, scale = [5, 300, 77], [0, 256, 0], 256, 128 ** -0.5
     new = [n - c for n, c in zip(lengths, cached)]
     cu = lambda sizes: torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
                                     device="cuda")
-    q = torch.randn(sum(new), 8, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(sum(lengths), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    scale = 128 ** -0.5
-    packed = varlen_attention(q[:5], k[:5], v[:5], cu([5]), cu([5]), 5, 5, scale, None)
-    assert torch.equal(packed, flash_attn_varlen_func(q[:5], k[:5], v[:5], cu([5]), cu([5]), 5, 5,
-                                                      softmax_scale=scale, causal=True))
+    tokens = sum(lengths)
+    qkv = torch.randn(tokens, (8 + 2 + 2) * 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (part.view(tokens, -1, 128) for part in qkv.split([8 * 128, 2 * 128, 2 * 128], dim=1))
+    args = (cu(lengths), cu(lengths), max(lengths), max(lengths))
+    packed = varlen_attention(q, k, v, *args, scale, None)
+    assert torch.equal(packed, flash_attn_varlen_func(q, k, v, *args, softmax_scale=scale, causal=True))
+    q = q[:sum(new)].contiguous()
     k_cache, v_cache = (torch.randn(6, block, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     block_table = torch.tensor([[0, 5], [3, 1], [2, 4]], dtype=torch.int32, device="cuda")
     args = (cu(new), cu(lengths), max(new), max(lengths))
     paged = varlen_attention(q, k_cache, v_cache, *args, scale, block_table)
     assert torch.equal(paged, flash_attn_varlen_func(q, k_cache, v_cache, *args, softmax_scale=scale, causal=True,
                                                      block_table=block_table))
-    assert paged.abs().sum() > 0
-    import flash_attn
-
+    assert packed.abs().sum() > 0 and paged.abs().sum() > 0
+    first, after = EXTENSION_SIGNATURE
     version = tuple(int(part) for part in flash_attn.__version__.split(".")[:2])
-    assert (_extension_varlen_fwd() is not None) == (version >= (2, 8)), flash_attn.__version__
+    assert (_extension_varlen_fwd() is not None) == (first <= version < after), flash_attn.__version__
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])

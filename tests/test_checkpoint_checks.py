@@ -248,4 +248,3 @@ def test_tokenizer_files_missing_or_broken(tiny_model, tmp_path):
     looked_for = rf"no tokenizer files in {re.escape(path)}: looked for tokenizer\.json"
     with pytest.raises(FileNotFoundError, match=looked_for):
         load_tokenizer(path)
-

@@ -38,7 +38,7 @@ POINTERS = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr":
             "scratch_ptr": "*fp32"}
 # an FP8 KV cache: float8 e4m3 rows (its per-layer scales are float arguments)
 FP8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
-DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=8)
+DECODE = dict(NUM_KV_HEADS=8, GROUP=2, BLOCK_H=16, HEAD_DIM=128, PAGE=256, BLOCK_N=64, MAX_SPLITS=16)
 NORM_ROPE = dict(NUM_Q_HEADS=16, NUM_K_HEADS=8, BLOCK_Q=16, BLOCK_K=8, HALF=64)
 # top-p's floor over Qwen3's 151,936 bf16 logits, as top_p_floors launches it
 TOP_P = ScratchLayout(4096, 8192, 256)

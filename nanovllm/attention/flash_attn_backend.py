@@ -49,7 +49,7 @@ def _store_kvcache_fp8_kernel(
 
 
 # the flash-attn releases whose extension's varlen_fwd takes the arguments varlen_attention passes (2.8's flash_api)
-EXTENSION_SIGNATURE_FROM = (2, 8)
+EXTENSION_SIGNATURE = ((2, 8), (3, 0))
 
 
 @functools.cache
@@ -60,19 +60,21 @@ def _extension_varlen_fwd() -> Callable | None:
     wrapper imports TorchDynamo at its first call (about a second of every engine's start-up) and adds its
     dispatch to every layer of every prefill."""
     import flash_attn
+    from flash_attn import flash_attn_interface
 
-    if tuple(int(part) for part in re.findall(r"\d+", flash_attn.__version__)[:2]) < EXTENSION_SIGNATURE_FROM:
+    first, after = EXTENSION_SIGNATURE
+    if not first <= tuple(int(part) for part in re.findall(r"\d+", flash_attn.__version__)[:2]) < after:
         return None
-    import flash_attn_2_cuda
-
-    return flash_attn_2_cuda.varlen_fwd
+    return flash_attn_interface.flash_attn_gpu.varlen_fwd  # the extension flash-attn itself chose for this device
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
                      block_table: torch.Tensor | None) -> torch.Tensor:
     """Causal attention over packed sequences, flash_attn_varlen_func's for inference: q (tokens, heads, dim); k
-    and v packed like q, or a paged cache (blocks, block size, KV heads, dim) read through `block_table`."""
+    and v packed like q, or a paged cache (blocks, block size, KV heads, dim) read through `block_table`. Each
+    tensor's last dimension must be contiguous and the head size a multiple of 8 (the extension refuses others;
+    flash_attn_varlen_func would copy or pad them)."""
     varlen_fwd = _extension_varlen_fwd()
     if varlen_fwd is None:
         from flash_attn import flash_attn_varlen_func

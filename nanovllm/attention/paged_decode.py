@@ -17,6 +17,10 @@ import triton.language as tl
 
 from nanovllm.quantization.kv_quant import FP8
 
+# the most slices default_max_splits gives a sequence; the merge reads this many log-sum-exps at once (masked past a
+# sequence's own), so that one compiled variant serves every batch size
+MERGE_WIDTH = 16
+
 
 def default_max_splits(batch: int, num_kv_heads: int) -> int:
     """Slices per sequence (of the table's full width): about a thousand (sequence, KV head, slice) programs
@@ -24,7 +28,7 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
     (the sweep is benchmarks/microbench_decode_attention.py)."""
     if batch * num_kv_heads >= 1024:
         return 4
-    return min(16, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
+    return min(MERGE_WIDTH, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
 
 
 # num_splits and MAX_SPLITS would otherwise vary with the batch size (default_max_splits), each value a compile of
@@ -115,9 +119,6 @@ def _decode_attention(
         tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=head_mask[:, None])
         tl.atomic_xchg(counter, 0)
 
-
-# the merge reads this many slices' log-sum-exps at once (masked past a sequence's own): default_max_splits' largest
-MERGE_WIDTH = 16
 
 # (BLOCK_N, num_warps, num_stages) per cache dtype, from benchmarks/microbench_fp8_decode.py --sweep on an H200
 TUNED = {False: (64, 4, 2), True: (64, 2, 2)}
