@@ -48,8 +48,8 @@ class CUDAGraphs:
                         block_tables=inputs["block_tables"])
             # an eager pass compiles what a size runs before its capture; the passes took about half the capture's time,
             # so only the largest size (the first captured) and those of up to 16 rows get one. A size in between
-            # may still meet a Triton variant of its own (decode's split count depends on the batch) and compile it
-            # inside its capture: loading a module is no stream operation, and captures allow it
+            # that meets a Triton variant of its own compiles it inside its capture: loading a module is no stream
+            # operation, and captures allow it (decode attention has one variant for every batch size)
             if bs <= 16 or bs == self.sizes[-1]:
                 self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
             if bs == self.sizes[-1]:  # the first decode forward compiles what the prefill warmup did not
