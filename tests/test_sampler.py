@@ -281,3 +281,21 @@ def test_gumbel_kernel_on_a_full_vocabulary():
     assert chi2 < 45.0, (counts, expected)  # 15 degrees of freedom: p < 1e-4 by chance
     greedy = gumbel_max_sample(logits[:64], torch.zeros(64, device="cuda"), seed=0)
     assert torch.equal(greedy, logits[:64].float().argmax(-1))
+
+
+@pytest.mark.parametrize("batch", range(1, 10))
+def test_per_row_settings_start_16_byte_aligned_at_every_batch_size(batch):
+    """Triton specialises a kernel on whether each pointer is 16-byte aligned: settings whose start moved with the
+    batch size would compile another variant of the sampling kernels in the middle of a run."""
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.sampling_params import SamplingParams
+
+    seqs = [Sequence([1, 2], SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, seed=i))
+            for i in range(batch)]
+    tensors = Sampler().prepare(seqs)
+    for settings in (tensors.temperatures, tensors.top_p, tensors.min_p, tensors.top_k, tensors.row_seeds):
+        assert settings.shape == (batch,) and settings.is_contiguous()
+        assert settings.storage_offset() * settings.element_size() % 16 == 0
+    assert tensors.top_p.tolist() == pytest.approx([0.9] * batch) and tensors.top_k.tolist() == [5] * batch
+    assert tensors.min_p.tolist() == pytest.approx([0.1] * batch)
+    assert tensors.row_seeds.tolist() == step_keys(np.arange(batch), np.zeros(batch, dtype=np.int64)).tolist()

@@ -6,6 +6,7 @@ from torch import nn
 
 from nanovllm.engine.model_inputs import decode_views
 from nanovllm.utils.context import reset_context, set_context
+from nanovllm.utils.parallel_compile import KernelCompiles
 
 
 class CUDAGraphs:
@@ -15,7 +16,8 @@ class CUDAGraphs:
     `lap(phase)` is called as each phase of the capture ends (engine/startup.py)."""
 
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, lap: Callable[[str], None] = lambda phase: None) -> None:
+                 dtype: torch.dtype, device: torch.device, lap: Callable[[str], None],
+                 compiles: KernelCompiles) -> None:
         max_bs = min(max_num_seqs, 512)
         self.width = max_blocks_per_seq
         self.sizes = [bs for bs in sorted({1, 2, 4, 8, *range(16, max_bs + 1, 16), max_bs}) if bs <= max_bs]
@@ -24,7 +26,7 @@ class CUDAGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_stream = torch.cuda.Stream(device)
-        self._capture(model, lap)
+        self.compiled = self._capture(model, lap, compiles)
 
     def size_for(self, batch: int) -> int | None:
         """The captured graph a decode batch of this size replays, or None: run eagerly."""
@@ -37,22 +39,36 @@ class CUDAGraphs:
         self.graphs[graph_size].replay()
         return self.outputs[:batch]
 
+    def _set_inputs(self, bs: int) -> dict[str, torch.Tensor]:
+        inputs = decode_views(self.input_buffer, bs, self.width)
+        self.input_buffer.zero_()  # every size views the buffer differently: start each from a clean one
+        inputs["slot_mapping"].fill_(-1)  # capture runs the model: write no KV
+        set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
+                    block_tables=inputs["block_tables"])
+        return inputs
+
     @torch.inference_mode()
-    def _capture(self, model: nn.Module, lap: Callable[[str], None]) -> None:
+    def _capture(self, model: nn.Module, lap: Callable[[str], None], compiles: KernelCompiles) -> str:
+        """Returns the compiles' line for the log."""
+        # the sizes whose views of the input buffer differ in what Triton specialises on (a pointer's alignment,
+        # an integer of 1 or a multiple of 16): the largest, and those of up to 16 rows. Each runs once dry, then
+        # for real before its capture, so that no capture meets a kernel still to load
+        eager_sizes = [bs for bs in reversed(self.sizes) if bs <= 16 or bs == self.sizes[-1]]
+
+        def eager_passes() -> None:
+            for bs in eager_sizes:
+                inputs = self._set_inputs(bs)
+                self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
+                reset_context()
+
+        compiles.dry_run(eager_passes)
+        compiled = compiles.wait()
         for bs in reversed(self.sizes):  # largest first, so smaller graphs fit in its pool
             graph = torch.cuda.CUDAGraph()
-            inputs = decode_views(self.input_buffer, bs, self.width)
-            self.input_buffer.zero_()  # every size views the buffer differently: start each from a clean one
-            inputs["slot_mapping"].fill_(-1)  # capture runs the model: write no KV
-            set_context(is_prefill=False, slot_mapping=inputs["slot_mapping"], context_lens=inputs["context_lens"],
-                        block_tables=inputs["block_tables"])
-            # an eager pass compiles what a size runs before its capture; the passes took about half the capture's time,
-            # so only the largest size (the first captured) and those of up to 16 rows get one. A size in between
-            # that meets a Triton variant of its own compiles it inside its capture: loading a module is no stream
-            # operation, and captures allow it (decode attention has one variant for every batch size)
-            if bs <= 16 or bs == self.sizes[-1]:
+            inputs = self._set_inputs(bs)
+            if bs in eager_sizes:
                 self.outputs[:bs] = model(inputs["input_ids"], inputs["positions"])
-            if bs == self.sizes[-1]:  # the first decode forward compiles what the prefill warmup did not
+            if bs == self.sizes[-1]:  # the first real decode forward, after every start-up compile
                 torch.cuda.synchronize()
                 lap("decode warmup and compile")
             # torch.cuda.graph would empty the allocator's cache before every capture (cudaFree, then the next size's
@@ -77,3 +93,4 @@ class CUDAGraphs:
             model.compute_logits(self.outputs[:bs])
         torch.cuda.synchronize()
         lap("LM head warmup")
+        return compiled

@@ -28,10 +28,12 @@ from nanovllm.quantization import (
     quantization_settings,
 )
 from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.parallel import TensorParallelGroup
+from nanovllm.utils.parallel_compile import KernelCompiles
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +105,12 @@ class ModelRunner:
         if self.kv_layout.quantized:
             self.kv_scales = checkpoint_kv_scales(checkpoint_scales, len(self.attention_layers))
         measure = self.kv_layout.quantized and self.kv_scales is None
-        for layer in self.attention_layers if measure else []:
-            layer.kv_amax = torch.zeros(2, device=self.device)
         reach("loaded")
         lap("model and weights")
+        # Triton kernels met by start-up's passes compile side by side while start-up goes on (until the capture)
+        compiles = KernelCompiles(self.device) if self.use_cuda else None
         if self.use_cuda or measure:
-            self.warmup_model()
+            self.warmup_model(compiles, measure)
         if measure:
             amax = torch.stack([layer.kv_amax for layer in self.attention_layers]).tolist()
             for layer in self.attention_layers:
@@ -119,7 +121,7 @@ class ModelRunner:
                         "measured at start-up" if measure else "from the checkpoint",
                         *(f(scale[i] for scale in self.kv_scales) for i in (0, 1) for f in (min, max)))
         reach("warmed up")
-        lap("warmup and compile")
+        lap("warmup")
         self.allocate_kv_cache()
         seconds = self.backend.warm_up(self.kv_layout, hf_config.num_attention_heads // self.tp.size, self.dtype)
         if seconds and rank == 0:
@@ -127,9 +129,15 @@ class ModelRunner:
         reach("allocated")
         lap("KV cache")
         self.graphs = None
-        if self.use_cuda and not config.enforce_eager:
-            self.graphs = CUDAGraphs(self.model, self.max_batch, self.inputs.max_blocks_per_seq,
-                                     hf_config.hidden_size, self.dtype, self.device, lap)
+        if compiles is not None:
+            compiles.dry_run(self.first_serving_passes)
+            if config.enforce_eager:
+                self.log_compiles(compiles.wait())
+                lap("compile")
+            else:
+                self.graphs = CUDAGraphs(self.model, self.max_batch, self.inputs.max_blocks_per_seq,
+                                         hf_config.hidden_size, self.dtype, self.device, lap, compiles)
+                self.log_compiles(self.graphs.compiled)
 
     def exit(self) -> None:
         self.graphs = None
@@ -143,12 +151,11 @@ class ModelRunner:
         self.kv_cache = self.model = None
 
     # --- startup -----------------------------------------------------------------------------------------
-    def warmup_model(self) -> None:
-        """Run the largest prefill once so the peak memory of activations is known before sizing the KV cache
-        (and an FP8 cache's scales are measured: on CPU only that, on a shorter pass)."""
-        if self.use_cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+    def warmup_model(self, compiles: KernelCompiles | None, measure_kv: bool) -> None:
+        """The largest prefill, so that the peak memory of activations is known before sizing the KV cache, then
+        one of a single token. On CUDA they run dry (utils/parallel_compile.py): the dry passes allocate what the
+        real ones would, and only an FP8 cache's scales need a real pass (measure_kv; on CPU only that, on a shorter
+        pass), which waits for the compiles."""
         seq_len = min(self.config.max_model_len, self.config.max_num_batched_tokens)
         if not self.use_cuda:
             seq_len = min(seq_len, 512)
@@ -158,20 +165,45 @@ class ModelRunner:
         seqs = [Sequence(ids.tolist(), block_size=self.block_size) for ids in token_ids]
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
-        try:
+        one = Sequence([0], block_size=self.block_size)
+        one.num_scheduled_tokens = 1
+
+        def passes() -> None:
             self.launch(Step.of(seqs, True))  # on every rank; only rank 0 samples, so nothing is read back here
+            if self.use_cuda:  # compiled layers specialise size 1 apart from other sizes
+                self.launch(Step.of([one], True))
+
+        try:
+            if self.use_cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                compiles.dry_run(passes)
+            if measure_kv:
+                for layer in self.attention_layers:  # fresh, after the dry pass
+                    layer.kv_amax = torch.zeros(2, device=self.device)
+                if compiles is not None:
+                    self.log_compiles(compiles.wait())
+                passes()
         except torch.OutOfMemoryError as error:
             raise ValueError(f"a prefill of max_num_batched_tokens={self.config.max_num_batched_tokens} tokens "
                              f"({num_seqs} x {seq_len}) does not fit in GPU memory: lower max_num_batched_tokens "
                              f"or max_model_len") from error
-        if not self.use_cuda:
-            return
-        # compiled layers specialise size 1 apart from other sizes: compile that case now, not in a timed run
-        one = Sequence([0], block_size=self.block_size)
-        one.num_scheduled_tokens = 1
-        self.launch(Step.of([one], True))
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        if self.use_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def first_serving_passes(self) -> None:
+        """What the first requests meet that the warmups did not: a prefill that writes the KV cache (into block 0,
+        which holds nothing yet), sampled plainly, with a seed, and with the checkpoint's default sampling."""
+        defaults = SamplingParams.from_generation_config(self.config.model)
+        for params in (SamplingParams(), SamplingParams(seed=0), defaults):
+            seq = Sequence([0, 1, 2], params, block_size=self.block_size)
+            seq.block_table, seq.num_scheduled_tokens = [0], 3
+            self.launch(Step.of([seq], True))
+
+    def log_compiles(self, line: str) -> None:
+        if self.rank == 0:
+            logger.info(line)
 
     def num_blocks_from_memory(self, block_bytes: int) -> int:
         config = self.config

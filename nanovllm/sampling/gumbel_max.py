@@ -39,7 +39,7 @@ def _keep_best(row_logits, index, u, vocab, temperature, scale, floor, best, bes
     return tl.where(better, x, best), tl.where(better, index, best_index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a fresh seed every step: one variant for all of them
 def _gumbel_max(logits_ptr, temperatures_ptr, floors_ptr, row_seeds_ptr, out_ptr, part_score_ptr, part_index_ptr,
                 counters_ptr, seed, vocab, row_stride, num_chunks, CHUNK: tl.constexpr, QUARTER: tl.constexpr,
                 MAX_CHUNKS: tl.constexpr, HARDWARE_LOG: tl.constexpr, HAS_FLOOR: tl.constexpr,

@@ -78,6 +78,17 @@ def step_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     return ((z ^ (z >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
 
 
+def aligned_rows(rows: list, dtype: type) -> np.ndarray:
+    """The rows as one array whose every row starts 16 bytes after a 16-byte boundary: Triton specialises a kernel
+    on whether each pointer is 16-byte aligned, so a row that started elsewhere at some batch sizes would compile a
+    variant of its own in the middle of a run."""
+    per_16_bytes = 16 // np.dtype(dtype).itemsize
+    width = len(rows[0])
+    array = np.zeros((len(rows), -(-width // per_16_bytes) * per_16_bytes), dtype=dtype)
+    array[:, :width] = rows
+    return array
+
+
 def samples_with_temperature_only(params: SamplingParams) -> bool:
     """Whether temperature is all the sampler must apply for these params (the fused kernel's case)."""
     return (params.top_k <= 0 and params.top_p == 1.0 and params.min_p == 0.0 and params.min_tokens == 0
@@ -128,7 +139,8 @@ class Sampler(nn.Module):
         if all(map(samples_with_temperature_only, params)):  # the per-step common case
             return SamplingTensors(as_tensor(temperatures, np.float32), penalties=penalties, bad_words=bad_words)
         # one transfer for the float settings and one for the integer ones
-        floats = as_tensor([temperatures, [p.top_p for p in params], [p.min_p for p in params]], np.float32)
+        floats = as_tensor(aligned_rows([temperatures, [p.top_p for p in params], [p.min_p for p in params]],
+                                        np.float32), np.float32)[:, :len(seqs)]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         seeded = [(i, p.seed, seq.num_completion_tokens) for i, (p, seq) in enumerate(zip(params, seqs))
                   if p.seed is not None and p.temperature]
@@ -136,7 +148,7 @@ class Sampler(nn.Module):
         if seeded:
             rows, seeds, steps = zip(*seeded)
             keys[list(rows)] = step_keys(np.array(seeds, dtype=np.int64), np.array(steps, dtype=np.int64))
-        ints = as_tensor(np.stack([np.array(top_k, dtype=np.int64), keys]), np.int64)
+        ints = as_tensor(aligned_rows([top_k, keys], np.int64), np.int64)[:, :len(seqs)]
         tensors = SamplingTensors(floats[0], penalties=penalties, bad_words=bad_words,
                                   row_seeds=ints[1] if seeded else None)
         if any(top_k):
