@@ -1,6 +1,6 @@
 """Where start-up goes. An engine times its phases lap by lap (config, tokenizer, CUDA init, model and weights,
-warmup and compile, KV cache, CUDA graphs) and logs them as one line once it is ready; `run-batch` shows the user
-one line for the whole run: the engine's phases after the process's own start and imports, or, with data
+warmup, KV cache, decode warmup and compile, CUDA graphs) and logs them as one line once it is ready; `run-batch`
+shows the user one line for the whole run: the engine's phases after the process's own start and imports, or, with data
 parallelism, the driver's and each replica's, placed on one clock (seconds since the driver's process started).
 
 Marks are wall-clock times (time.time()): they are compared across the processes of a host (and, for Ray, across
