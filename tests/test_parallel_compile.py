@@ -30,6 +30,7 @@ def _kernels():
 
 @pytest.mark.gpu
 def test_the_dry_pass_launches_nothing_and_the_real_pass_compiles_nothing():
+    import triton
     from triton import knobs
 
     add_one, double = _kernels()  # defined here: no earlier test in this process compiled them
@@ -38,15 +39,15 @@ def test_the_dry_pass_launches_nothing_and_the_real_pass_compiles_nothing():
 
     def passes() -> None:
         for n in (1000, 1):  # two sizes: n == 1 is a variant of its own (Triton specialises integers equal to 1)
-            add_one[(triton_cdiv(n, 256),)](x, sums, n, BLOCK=256)
-            double[(triton_cdiv(n, 256),)](x, products, n, BLOCK=256)
+            add_one[(triton.cdiv(n, 256),)](x, sums, n, BLOCK=256)
+            double[(triton.cdiv(n, 256),)](x, products, n, BLOCK=256)
 
     compiles = KernelCompiles(x.device)
     compiles.dry_run(passes)
     torch.cuda.synchronize()
     assert (sums == -7).all() and (products == -7).all(), "the dry pass launched a kernel"
     assert sorted(name for name, _ in compiles.compiles) == ["add_one", "add_one", "double", "double"]
-    assert compiles.wait().startswith("4 Triton kernel variants compiled side by side in ")
+    assert compiles.wait().startswith("4 Triton kernel variants compiled side by side")
 
     compiles_after = []
     knobs.runtime.jit_post_compile_hook = lambda **kwargs: compiles_after.append(kwargs["repr"])
@@ -57,10 +58,6 @@ def test_the_dry_pass_launches_nothing_and_the_real_pass_compiles_nothing():
     torch.cuda.synchronize()
     assert compiles_after == []
     assert torch.equal(sums, x + 1) and torch.equal(products, x * 2)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 ENGINE_COMPILES = r'''

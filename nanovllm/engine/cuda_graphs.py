@@ -52,7 +52,8 @@ class CUDAGraphs:
         """Returns the compiles' line for the log."""
         # the sizes whose views of the input buffer differ in what Triton specialises on (a pointer's alignment,
         # an integer of 1 or a multiple of 16): the largest, and those of up to 16 rows. Each runs once dry, then
-        # for real before its capture, so that no capture meets a kernel still to load
+        # for real before its capture. The sizes in between are multiples of 16: where the largest is not one,
+        # they load their variants (compiled by then) inside their captures, which captures allow
         eager_sizes = [bs for bs in reversed(self.sizes) if bs <= 16 or bs == self.sizes[-1]]
 
         def eager_passes() -> None:

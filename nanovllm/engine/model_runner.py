@@ -108,7 +108,7 @@ class ModelRunner:
         reach("loaded")
         lap("model and weights")
         # Triton kernels met by start-up's passes compile side by side while start-up goes on (until the capture)
-        compiles = KernelCompiles(self.device) if self.use_cuda else None
+        compiles = KernelCompiles(self.device, self.tp.size) if self.use_cuda else None
         if self.use_cuda or measure:
             self.warmup_model(compiles, measure)
         if measure:
@@ -195,8 +195,11 @@ class ModelRunner:
     def first_serving_passes(self) -> None:
         """What the first requests meet that the warmups did not: a prefill that writes the KV cache (into block 0,
         which holds nothing yet), sampled plainly, with a seed, and with the checkpoint's default sampling."""
-        defaults = SamplingParams.from_generation_config(self.config.model)
-        for params in (SamplingParams(), SamplingParams(seed=0), defaults):
+        try:
+            defaults = [SamplingParams.from_generation_config(self.config.model)]
+        except ValueError:  # a setting SamplingParams refuses: get_default_sampling_params() raises it by name
+            defaults = []
+        for params in (SamplingParams(), SamplingParams(seed=0), *defaults):
             seq = Sequence([0, 1, 2], params, block_size=self.block_size)
             seq.block_table, seq.num_scheduled_tokens = [0], 3
             self.launch(Step.of([seq], True))

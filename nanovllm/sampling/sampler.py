@@ -79,7 +79,7 @@ def step_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
 
 
 def aligned_rows(rows: list, dtype: type) -> np.ndarray:
-    """The rows as one array whose every row starts 16 bytes after a 16-byte boundary: Triton specialises a kernel
+    """The rows as one array whose every row starts on a 16-byte boundary: Triton specialises a kernel
     on whether each pointer is 16-byte aligned, so a row that started elsewhere at some batch sizes would compile a
     variant of its own in the middle of a run."""
     per_16_bytes = 16 // np.dtype(dtype).itemsize

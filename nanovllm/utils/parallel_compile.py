@@ -11,7 +11,14 @@ after `wait()` finds them compiled.
 A dry pass leaves the outputs of the kernels it skipped unwritten. It must be a pass whose results are thrown away
 and whose torch operations accept any values: index tensors that torch operations compute (top-k, argsort) stay in
 range whatever the scores were, and the inputs that kernels index with (positions, slots, block tables) are the
-pass's own. Its memory is what the real pass's would be: torch allocates a kernel's outputs before the launch.
+pass's own. A variant the pool has finished by a later dry pass launches in it for real, on whatever its inputs
+hold: that is safe as long as a kernel that indexes memory with another Triton kernel's output (the sampler's
+scratch offsets, the penalties' marks) meets that kernel within one pass, where both are skipped or both compiled.
+Every dry pass must also be safe to run for real: without Triton's hooks it is. Its memory is what the real
+pass's would be: torch allocates a kernel's outputs before the launch.
+
+With Triton before 3.7 a variant's first launch still builds its C launcher (cached on disk with the kernels) and
+loads its binary, on the launching thread.
 """
 import logging
 import os
@@ -39,11 +46,14 @@ def _runtime_knobs() -> Any:
 class KernelCompiles:
     """The kernel variants that dry passes met, compiling in a thread pool until wait()."""
 
-    def __init__(self, device: torch.device, max_threads: int = MAX_THREADS) -> None:
+    def __init__(self, device: torch.device, processes: int = 1, max_threads: int = MAX_THREADS) -> None:
+        """processes: how many engine processes of this host compile at once (tensor-parallel ranks share its
+        cores)."""
         self.device = device
         self.knobs = _runtime_knobs()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.threads = max(1, min(cores, max_threads))
+        self.threads = max(1, min(cores // processes, max_threads))
+        self.ran_for_real = False  # a pass ran for real: Triton without hooks, or someone else's hook set
         self.pool: ThreadPoolExecutor | None = None  # from the first variant met to the next wait()
         self.met: set[tuple[int, str]] = set()
         self.compiles: list[tuple[str, Future]] = []  # (kernel name, its compile), since the last wait()
@@ -54,17 +64,18 @@ class KernelCompiles:
         the pool. Without Triton's hooks (or with someone else's hook set) the pass runs for real instead."""
         knobs = self.knobs
         if knobs is None or knobs.jit_cache_hook is not None:
+            self.ran_for_real = True
             dry_pass()
             return
         pass_thread = threading.get_ident()
         recorded: list[tuple[Any, str]] = []
 
-        def record(*, key: str, fn: Any, compile: dict, **_: Any) -> bool | None:
+        def record(*, key: str, fn: Any, **hook_args: Any) -> bool | None:
             if threading.get_ident() != pass_thread:  # a compile thread's own compile, another thread's kernel
                 return None
             if (id(fn.jit_function), key) not in self.met:
                 self.met.add((id(fn.jit_function), key))
-                recorded.append((fn.jit_function, compile["specialization_data"]))
+                recorded.append((fn.jit_function, hook_args["compile"]["specialization_data"]))
             return True
 
         knobs.jit_cache_hook = record
@@ -87,6 +98,8 @@ class KernelCompiles:
         """Join the compiles handed to the pool since the last wait; returns a line for the log. A compile that
         raised is only logged: the first real launch of that variant compiles it itself."""
         if self.pool is None:
+            if self.ran_for_real:
+                return "Triton compiled in the passes themselves (no jit_cache_hook before Triton 3.4, or one set)"
             return "no Triton kernel variant to compile"
         failed = []
         for name, future in self.compiles:
@@ -98,6 +111,7 @@ class KernelCompiles:
         self.pool.shutdown()
         seconds = time.perf_counter() - self.began
         left = f", {len(failed)} left to their first launch ({', '.join(failed)})" if failed else ""
-        line = f"{len(self.compiles)} Triton kernel variants compiled side by side in {seconds:.1f} s{left}"
+        line = (f"{len(self.compiles)} Triton kernel variants compiled side by side, the last done {seconds:.1f} s "
+                f"after the first was met{left}")
         self.pool, self.compiles = None, []
         return line
