@@ -1,9 +1,11 @@
-"""Triton kernels compiled side by side at start-up (utils/parallel_compile.py): the dry pass launches nothing, the
-real pass after it compiles nothing and computes what it would have computed, and an engine's start-up leaves no
-kernel for its real passes to compile."""
+"""Triton kernels compiled side by side at start-up (utils/parallel_compile.py). On a GPU: the dry pass launches
+nothing, the real pass after it compiles nothing and computes what it would have computed, and an engine's start-up
+leaves no kernel for its real passes to compile. On CPU, with a stand-in for Triton's hook and kernels: what a dry
+pass records, where it compiles, and what happens when a compile or a pass fails."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -97,3 +99,92 @@ def test_an_engine_compiles_its_start_up_kernels_side_by_side(backend, small_mod
     assert compiles, result.stdout  # a fresh cache: the start-up compiled something
     in_passes = [line for line in compiles if not line.startswith("triton-compile")]
     assert in_passes == [], "\n".join(compiles)
+
+
+class FakeKernel:
+    """Stands in for a Triton JITFunction: launch() asks the cache hook as Triton does for a variant it has not
+    compiled, and runs unless the hook says to skip; preload() compiles a variant (here: records the thread)."""
+
+    def __init__(self, name: str, knobs, fail: bool = False) -> None:
+        self.fn = SimpleNamespace(__name__=name)
+        self.knobs, self.fail = knobs, fail
+        self.compiled: dict[str, str] = {}  # variant -> the thread that compiled it
+        self.ran: list[str] = []
+
+    def launch(self, variant: str) -> None:
+        hook = self.knobs.jit_cache_hook
+        if variant not in self.compiled and hook is not None and hook(
+                key=variant, repr=variant, fn=SimpleNamespace(jit_function=self),
+                compile={"specialization_data": f"data of {variant}"}, is_manual_warmup=False,
+                already_compiled=False):
+            return
+        self.ran.append(variant)
+
+    def preload(self, specialization: str) -> None:
+        import threading
+        if self.fail:
+            raise RuntimeError("no compiler")
+        self.compiled[specialization.removeprefix("data of ")] = threading.current_thread().name
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    import contextlib
+
+    knobs = SimpleNamespace(jit_cache_hook=None)
+    monkeypatch.setattr("nanovllm.utils.parallel_compile._runtime_knobs", lambda: knobs)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    return knobs
+
+
+def test_a_dry_pass_records_each_variant_once_and_the_pool_compiles_them(fake_triton):
+    import threading
+
+    norm, attention = FakeKernel("norm", fake_triton), FakeKernel("attention", fake_triton)
+    compiles = KernelCompiles(torch.device("cpu"), max_threads=4)
+
+    def dry_pass() -> None:
+        for _ in range(3):  # every layer launches the same variants
+            norm.launch("rows=7")
+            attention.launch("rows=7")
+        norm.launch("rows=1")
+        other = threading.Thread(target=attention.launch, args=("another thread's",))
+        other.start()
+        other.join()  # another thread's launch is Triton's business as usual: it runs
+
+    compiles.dry_run(dry_pass)
+    assert fake_triton.jit_cache_hook is None  # the hook is the pass's only
+    assert norm.ran == [] and attention.ran == ["another thread's"]
+    assert [name for name, _ in compiles.compiles] == ["norm", "attention", "norm"]
+    assert compiles.wait().startswith("3 Triton kernel variants compiled side by side")
+    assert set(norm.compiled) == {"rows=7", "rows=1"} and set(attention.compiled) == {"rows=7"}
+    assert all(thread.startswith("triton-compile") for thread in [*norm.compiled.values(),
+                                                                  *attention.compiled.values()])
+    norm.launch("rows=7")  # compiled: runs for real, no hook involved
+    assert norm.ran == ["rows=7"]
+    compiles.dry_run(lambda: norm.launch("rows=1"))  # met before: not compiled twice
+    assert compiles.compiles == [] and compiles.wait() == "no Triton kernel variant to compile"
+
+
+def test_a_failed_compile_is_left_to_its_launch_and_a_failed_pass_restores_the_hook(fake_triton):
+    broken = FakeKernel("broken", fake_triton, fail=True)
+    compiles = KernelCompiles(torch.device("cpu"))
+    compiles.dry_run(lambda: broken.launch("rows=3"))
+    assert compiles.wait().endswith(", 1 left to their first launch (broken)")
+
+    def failing_pass() -> None:
+        broken.launch("rows=5")
+        raise ValueError("out of memory")
+
+    with pytest.raises(ValueError):
+        compiles.dry_run(failing_pass)
+    assert fake_triton.jit_cache_hook is None
+
+
+def test_with_someone_elses_hook_the_passes_run_for_real(fake_triton):
+    fake_triton.jit_cache_hook = lambda **kwargs: None  # a user's own hook: leave Triton as it is
+    kernel = FakeKernel("norm", fake_triton)
+    compiles = KernelCompiles(torch.device("cpu"))
+    compiles.dry_run(lambda: kernel.launch("rows=7"))
+    assert kernel.ran == ["rows=7"] and compiles.compiles == []
+    assert compiles.wait().startswith("Triton compiled in the passes themselves")
