@@ -25,6 +25,13 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> str:
+    """Qwen3-0.6B-shaped random weights (the shape flash-attn's trimmed GPU build supports), spread wide enough for
+    peaked logits."""
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=0.05, seed=1)
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_model):
     from transformers import AutoModelForCausalLM
 

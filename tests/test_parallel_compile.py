@@ -79,13 +79,6 @@ print("compiles:", len(compiles))
 '''
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory) -> str:
-    from nanovllm.utils.random_checkpoint import write_random_checkpoint
-
-    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-0.6b")), "Qwen3-0.6B", std=0.05, seed=1)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_an_engine_compiles_its_start_up_kernels_side_by_side(backend, small_model, tmp_path):

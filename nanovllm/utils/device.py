@@ -24,10 +24,15 @@ def check_dtype(value: object) -> torch.dtype | None:
                      f"{list(DTYPES)}, or torch.bfloat16 / torch.float16 / torch.float32")
 
 
+def allowed_cpu_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def free_cpu_cores(processes: int = 1) -> int:
     """Cores this process may use on a CPU run: those it is allowed (affinity) less those other processes keep
     busy (the 1-minute load average, less this process's own share), split among `processes` engine processes."""
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    allowed = allowed_cpu_cores()
     others = max(0.0, os.getloadavg()[0] - 1.0) if hasattr(os, "getloadavg") else 0.0
     return max(1, int(allowed - others + 0.5) // max(1, processes))
 

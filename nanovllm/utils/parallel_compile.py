@@ -21,7 +21,6 @@ With Triton before 3.7 a variant's first launch still builds its C launcher (cac
 loads its binary, on the launching thread.
 """
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from nanovllm.utils.device import allowed_cpu_cores
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,7 @@ class KernelCompiles:
         cores)."""
         self.device = device
         self.knobs = _runtime_knobs()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.threads = max(1, min(cores // processes, max_threads))
+        self.threads = max(1, min(allowed_cpu_cores() // processes, max_threads))
         self.ran_for_real = False  # a pass ran for real: Triton without hooks, or someone else's hook set
         self.pool: ThreadPoolExecutor | None = None  # from the first variant met to the next wait()
         self.met: set[tuple[int, str]] = set()
