@@ -1,8 +1,9 @@
 """Triton kernels compiled side by side at start-up (utils/parallel_compile.py). On a GPU: the dry pass launches
 nothing, the real pass after it compiles nothing and computes what it would have computed, and an engine's start-up
 leaves no kernel for its real passes to compile. On CPU, with a stand-in for Triton's hook and kernels: what a dry
-pass records, where it compiles, and what happens when a compile or a pass fails."""
+pass records, where it compiles (the launcher too), and what happens when a compile or a pass fails."""
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -113,19 +114,24 @@ class FakeKernel:
             return
         self.ran.append(variant)
 
-    def preload(self, specialization: str) -> None:
+    def preload(self, specialization: str) -> SimpleNamespace:
         import threading
         if self.fail:
             raise RuntimeError("no compiler")
-        self.compiled[specialization.removeprefix("data of ")] = threading.current_thread().name
+        variant = specialization.removeprefix("data of ")
+        self.compiled[variant] = threading.current_thread().name
+        return SimpleNamespace(kernel=self, variant=variant)
 
 
 @pytest.fixture
 def fake_triton(monkeypatch):
     import contextlib
+    import threading
 
-    knobs = SimpleNamespace(jit_cache_hook=None)
+    knobs = SimpleNamespace(jit_cache_hook=None, launchers={})  # launchers: (kernel name, variant) -> thread
     monkeypatch.setattr("nanovllm.utils.parallel_compile._runtime_knobs", lambda: knobs)
+    monkeypatch.setattr("nanovllm.utils.parallel_compile._build_launcher", lambda compiled: knobs.launchers.update(
+        {(compiled.kernel.fn.__name__, compiled.variant): threading.current_thread().name}))
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     return knobs
 
@@ -149,10 +155,14 @@ def test_a_dry_pass_records_each_variant_once_and_the_pool_compiles_them(fake_tr
     assert fake_triton.jit_cache_hook is None  # the hook is the pass's only
     assert norm.ran == [] and attention.ran == ["another thread's"]
     assert [name for name, _ in compiles.compiles] == ["norm", "attention", "norm"]
-    assert compiles.wait().startswith("3 Triton kernel variants compiled side by side")
+    assert re.fullmatch(r"3 Triton kernel variants compiled side by side, the last done \d+\.\d s after the "
+                        r"first was met", compiles.wait())
     assert set(norm.compiled) == {"rows=7", "rows=1"} and set(attention.compiled) == {"rows=7"}
+    # each variant's launcher is built where it compiled, not left to its first launch
+    assert set(fake_triton.launchers) == {("norm", "rows=7"), ("norm", "rows=1"), ("attention", "rows=7")}
     assert all(thread.startswith("triton-compile") for thread in [*norm.compiled.values(),
-                                                                  *attention.compiled.values()])
+                                                                  *attention.compiled.values(),
+                                                                  *fake_triton.launchers.values()])
     norm.launch("rows=7")  # compiled: runs for real, no hook involved
     assert norm.ran == ["rows=7"]
     compiles.dry_run(lambda: norm.launch("rows=1"))  # met before: not compiled twice

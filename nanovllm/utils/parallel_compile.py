@@ -44,6 +44,16 @@ def _runtime_knobs() -> Any:
     return knobs.runtime if hasattr(knobs.runtime, "jit_cache_hook") else None
 
 
+def _build_launcher(compiled: Any) -> None:
+    """Triton before 3.7 builds a C launcher per kernel signature (gcc) at a variant's first launch, on the
+    launching thread: building it here, in a compile thread, leaves that launch only loading it from Triton's disk
+    cache (later Tritons' launchers are plain Python, quick either way). The variant's own handles are left to its
+    first launch on the engine's thread, so that no launch can see it half set up."""
+    from triton.runtime import driver
+
+    driver.active.launcher_cls(compiled.src, compiled.metadata)
+
+
 class KernelCompiles:
     """The kernel variants that dry passes met, compiling in a thread pool until wait()."""
 
@@ -92,7 +102,7 @@ class KernelCompiles:
 
     def _compile(self, kernel: Any, specialization: str) -> None:
         with torch.cuda.device(self.device):  # the kernel's per-device cache: this rank's, not the thread's default
-            kernel.preload(specialization)
+            _build_launcher(kernel.preload(specialization))
 
     def wait(self) -> str:
         """Join the compiles handed to the pool since the last wait; returns a line for the log. A compile that
