@@ -1,7 +1,9 @@
 """What run-batch does before it imports the engine: the checks of its two files (a bad path or a duplicate
-custom_id fails in a second, before any work), what is left to do, and, with data parallelism (processes or Ray
-actors), the replicas launched at once (data_parallel/launch.py), so their start-up overlaps the driver's own
-imports. Nothing here imports the engine or transformers (counting GPUs imports torch)."""
+custom_id fails in a second, before any work), what is left to do, and the replicas launched at once where that
+gains (data_parallel/launch.py): Ray actors, whose start overlaps the driver's own imports, and processes that
+could not be forked here (they are spawned, and import everything themselves anyway). Processes that can be forked
+are forked later, by DataParallel after the driver's imports, so they start with those done. Nothing here imports
+the engine or transformers (counting GPUs imports torch)."""
 import argparse
 import os
 import sys
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm import batch_io
 from nanovllm.batch_io import Done
+from nanovllm.data_parallel.processes import why_not_fork
 from nanovllm.engine_flags import engine_options
 
 if TYPE_CHECKING:
@@ -49,10 +52,14 @@ def check_files(args: argparse.Namespace) -> BatchStart | int:
 
 
 def start(args: argparse.Namespace) -> BatchStart | int:
-    """check_files, then, with work to do and replicas to start (processes or Ray actors), the replicas
-    launched."""
+    """check_files, then, with work to do and replicas to start, the replicas launched: Ray actors, or processes
+    where no fork is safe here. Processes forked after the driver's imports skip their own, which ran beside the
+    driver's and took as long (one host of 2 GPUs: each replica's first request about 1 s sooner, docs/
+    data_parallel.md), so those are left to DataParallel."""
     started = check_files(args)
     if isinstance(started, int) or not started.todo or serial(args) or args.data_parallel_size < 1:
+        return started
+    if args.data_parallel_backend == "mp" and not why_not_fork():
         return started
     from nanovllm.data_parallel.launch import launch_replicas
 

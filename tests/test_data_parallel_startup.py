@@ -1,9 +1,10 @@
 """Start-up of data parallelism on CPU: replicas start concurrently (over processes, forked or spawned, and over
 Ray) and run at the driver's priority, a forked replica leaves with its driver, the start-up times that run-batch
-reports add up, run-batch launches its replicas before it imports the engine, and the start-up probe times each
-of a driver's steps."""
+reports add up, run-batch launches Ray actors and spawned replicas before it imports the engine and forks
+processes after it, and the start-up probe times each of a driver's steps."""
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from nanovllm.data_parallel import DataParallel, processes
 from nanovllm.engine import startup
 from nanovllm.engine.startup import StartupTimes, describe_engine, describe_replicas
 
+OPTION_FLAGS = ["--num-kvcache-blocks", "32", "--max-model-len", "512", "--max-num-seqs", "2"]  # OPTIONS, as flags
 MEETING = "NANOVLLM_TEST_MEETING"  # a folder where MeetingEngine replicas announce themselves
 MEET_S = 120.0  # how long an engine waits for the others to start theirs (a loaded 2-core machine is slow)
 
@@ -220,16 +222,21 @@ def test_the_startup_probe_times_every_step(tiny_model):
         assert float(seconds) >= 0 and initialised in ("True", "False"), row
 
 
+# a thread running in the driver, as in a caller's process that has one: no fork is safe, replicas are spawned
+NO_SAFE_FORK = "import threading, time\nthreading.Thread(target=time.sleep, args=(3600,), daemon=True).start()\n"
+
+
 @pytest.mark.parametrize("backend", ["mp", pytest.param("ray", marks=needs_ray)])
 def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model, tmp_path, backend, monkeypatch):
-    """The command line's first work after its file checks is the replicas' launch: in a fresh process, once
+    """Where replicas are Ray actors, or processes that no safe fork allows (spawned: they import everything
+    themselves), the command line's first work after its file checks is their launch: in a fresh process, once
     batch_start.start has returned them, neither transformers nor the engine has been imported by the driver; and
-    replicas stopped mid-import leave cleanly at once (an interrupt inside a fork's hooks or torch's import once
-    left one hanging until the driver killed it, JOIN_S later)."""
+    replicas stopped mid-import leave at once (an interrupt inside torch's import once left one hanging until the
+    driver killed it, JOIN_S later)."""
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
-    code = f"""
-import sys
+    code = NO_SAFE_FORK + f"""
+import signal, sys
 from nanovllm.cli import parse_args
 from nanovllm.batch_start import start
 from nanovllm.data_parallel.processes import JOIN_S
@@ -241,13 +248,17 @@ replicas = started.launched.replicas
 assert not heavy, f"imported before the launch: {{heavy}}"
 assert len(replicas.names) == 2, replicas.names
 if {backend!r} == "mp":
-    import time
+    assert replicas.start_method == "spawn", replicas.start_method
     alive = [process.is_alive() for process in replicas.processes]
     began = time.monotonic()
     replicas.close(False)  # at once, as after a bad option: the replicas are still importing
     closing = time.monotonic() - began
     assert alive == [True, True], alive
-    assert closing < JOIN_S and [p.exitcode for p in replicas.processes] == [0, 0], (closing, replicas.processes)
+    # a spawned replica's new interpreter takes the interrupt wherever it is (the held-back signal is not held
+    # there): it ends at once, by the signal or its KeyboardInterrupt, holding nothing yet; what must not happen
+    # is a replica left running until the driver kills it, JOIN_S later
+    assert closing < JOIN_S and all(p.exitcode in (0, 1, -signal.SIGINT) for p in replicas.processes), \
+        (closing, replicas.processes)
 else:
     replicas.close(False)
 """
@@ -256,13 +267,38 @@ else:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_run_batch_forks_its_replicas_after_its_imports_where_a_fork_is_safe(tiny_model, tmp_path):
+    """Processes that can be forked are not launched early: run-batch forks them once it has imported the engine
+    and checked the options, so they start with the imports done (each replica's "start and imports" is the fork
+    alone), and they still start before the driver's tokenizer."""
+    spy = """
+from nanovllm.data_parallel import launch
+def early(*args):
+    raise AssertionError("launched before the engine's import")
+launch.launch_replicas = early
+"""
+    result = run_cli_in_a_process(tiny_model, tmp_path, spy, *OPTION_FLAGS)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stderr.splitlines() if "driver ready at" in line)
+    driver_phases = re.search(r"driver ready at [\d.]+ s \(([^)]*)\)", line).group(1)
+    assert [phase.rsplit(" ", 2)[0] for phase in driver_phases.split(", ")] == [
+        "process start and imports", "config", "replicas launched", "tokenizer"], line
+    assert line.count("(forked pid ") == 2, line
+    # one request: a replica may have had none before the run ended; one that imported torch took seconds
+    imports = [float(s) for s in re.findall(r"took its first request at [\d.]+ s \(start and imports ([\d.]+) s",
+                                            line)]
+    assert imports and max(imports) < 1.0, line
+
+
 def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, capsys, monkeypatch):
-    """Options are checked by the driver after the early launch: a bad one fails the run with its message, stops
-    the replicas, and leaves no output file."""
+    """Options are checked by the driver after an early launch (no safe fork here): a bad one fails the run with
+    its message, stops the replicas, and leaves no output file."""
     import multiprocessing
 
-    from nanovllm import run_batch
+    from nanovllm import batch_start, run_batch
     from nanovllm.data_parallel import launch
+
+    monkeypatch.setattr(batch_start, "why_not_fork", lambda: "no safe fork here")
 
     launched = []
     real = launch.launch_replicas
@@ -283,6 +319,26 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
     assert not out.exists()
     assert len(launched) == 1 and [p.exitcode is not None for p in launched[0].processes] == [True, True]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-dp-")]
+
+
+def test_a_bad_option_fails_before_any_replica_where_they_are_forked(tiny_model, tmp_path, capsys, monkeypatch):
+    """Where replicas are forked after the driver's imports, the options are checked before them: a bad one fails
+    the run with its message and starts no replica."""
+    from nanovllm import batch_start, run_batch
+    from nanovllm.data_parallel import driver, launch
+
+    started = []
+    monkeypatch.setattr(batch_start, "why_not_fork", lambda: "")
+    monkeypatch.setattr(launch, "launch_replicas", lambda *args: started.append("early"))
+    monkeypatch.setattr(driver, "start_replicas", lambda *args, **kwargs: started.append("after the imports"))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
+    out = tmp_path / "out.jsonl"
+    code = run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
+                           "--gpu-memory-utilization", "1.5"])
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
+    assert started == [] and not out.exists()
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no POSIX signal masks on this platform")
@@ -315,9 +371,9 @@ def run_cli_in_a_process(tiny_model, tmp_path, code_before: str, *flags: str) ->
 
 
 def test_the_command_line_launches_before_the_engine_import(tiny_model, tmp_path):
-    """Through cli.main itself: when the launch is asked for, the driver has imported neither transformers nor the
-    engine (a bad option then ends the run quickly)."""
-    spy = """
+    """Through cli.main itself, where no fork is safe: when the launch is asked for, the driver has imported neither
+    transformers nor the engine (a bad option then ends the run quickly)."""
+    spy = NO_SAFE_FORK + """
 import sys
 from nanovllm.data_parallel import launch
 real = launch.launch_replicas
@@ -337,7 +393,7 @@ def test_a_failure_between_launch_and_takeover_stops_the_replicas(tiny_model, tm
     """The driver fails after launching its replicas and before its engine took them over (its own import
     interrupted, say): the launched replicas are stopped and the process ends, instead of waiting on replicas that
     wait for work. An interrupt ends it with 130 and a message."""
-    broken = f"""
+    broken = NO_SAFE_FORK + f"""
 import nanovllm.run_batch as run_batch
 def run(*args, **kwargs):
     raise {failure}

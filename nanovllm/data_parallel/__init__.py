@@ -1,8 +1,8 @@
 """Data parallelism: N engine replicas on one host's GPUs (backend "mp") or on a Ray cluster (backend "ray"),
 fed from one queue, results streamed back in finishing order. See docs/data_parallel.md.
 
-The names load on first use (PEP 562), as the package's own: run-batch launches its replicas
-(data_parallel.processes) before it imports the engine, which the driver module needs."""
+The names load on first use (PEP 562), as the package's own: run-batch may launch its replicas
+(data_parallel.processes, ray_actors) before it imports the engine, which the driver module needs."""
 from importlib import import_module
 from typing import TYPE_CHECKING
 

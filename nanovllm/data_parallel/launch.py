@@ -1,8 +1,10 @@
-"""Replicas launched before the driver imports the engine. run-batch asks for its replicas first thing, so their
-start-up (imports, model, compile, CUDA graphs) runs while the driver itself imports transformers and the engine,
-rather than after: the driver's imports took as long as a replica's whole import. This module and what it imports
-(processes.py, or ray_actors.py and Ray, and engine/startup.py) need neither transformers nor the engine (counting
-GPUs imports torch); the engine is named, not imported, for the replicas to import themselves."""
+"""Replicas launched before the driver imports the engine, where that gains: Ray actors (Ray's own start takes
+seconds) and processes that are spawned (no safe fork here), which import everything themselves anyway. run-batch
+asks for those first thing, so their start-up (imports, model, compile, CUDA graphs) runs while the driver itself
+imports transformers and the engine, rather than after. Processes that can be forked are forked after the driver's
+imports instead (by DataParallel), and start with them done. This module and what it imports (processes.py, or
+ray_actors.py and Ray, and engine/startup.py) need neither transformers nor the engine (counting GPUs imports
+torch); the engine is named, not imported, for the replicas to import themselves."""
 from dataclasses import dataclass
 
 from nanovllm.engine.startup import StartupTimes
