@@ -24,8 +24,26 @@ def _stat(pid: int) -> tuple[int, float, str] | None:
     return int(rest[1]), (int(rest[11]) + int(rest[12])) / TICKS, name
 
 
-def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
-    """pid -> (command name, CPU seconds so far) for `root` and every live process below it."""
+def _thread_cpu(pid: int) -> dict[int, float]:
+    """tid -> CPU seconds so far of each live thread of `pid` (empty if it is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    threads = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        threads[int(tid)] = (int(rest[11]) + int(rest[12])) / TICKS
+    return threads
+
+
+def process_tree_cpu(root: int) -> dict[int, tuple[str, float, dict[int, float]]]:
+    """pid -> (command name, CPU seconds so far, each thread's CPU seconds so far) for `root` and every live process
+    below it."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := _stat(int(entry))) is not None:
@@ -34,7 +52,7 @@ def process_tree_cpu(root: int) -> dict[int, tuple[str, float]]:
     while frontier:
         pid = frontier.pop()
         if pid in stats and pid not in tree:
-            tree[pid] = (stats[pid][2], stats[pid][1])
+            tree[pid] = (stats[pid][2], stats[pid][1], _thread_cpu(pid))
             frontier.extend(child for child, (parent, _, _) in stats.items() if parent == pid)
     return tree
 
@@ -88,16 +106,23 @@ class GpuBusy:
 
 def cpu_between(root: int, first: tuple[float, dict], last: tuple[float, dict]) -> str:
     """Cores each process kept busy from the snapshot `first` to `last` ((time, process_tree_cpu)): the root, then
-    the busiest others (a process counts from the first snapshot that saw it)."""
+    the busiest others, each with its busiest thread's share where it ran more than one (a replica's engine loop
+    is one thread: the rest is its transport and, over Ray, Ray's own threads). A process or thread counts from
+    the first snapshot that saw it."""
     (t0, before), (t1, after) = first, last
     if t1 <= t0:
         return "CPU: no interval"
-    used = {pid: (name, (seconds - before.get(pid, (name, 0.0))[1]) / (t1 - t0)) for pid, (name, seconds) in
-            after.items()}
-    root_name, root_cores = used.pop(root, ("?", 0.0))
+    used = {}
+    for pid, (name, seconds, threads) in after.items():
+        _, seconds_before, threads_before = before.get(pid, (name, 0.0, {}))
+        busiest = max((spent - threads_before.get(tid, 0.0) for tid, spent in threads.items()), default=0.0)
+        used[pid] = (name, (seconds - seconds_before) / (t1 - t0), busiest / (t1 - t0), len(threads))
+    _, root_cores, _, _ = used.pop(root, ("?", 0.0, 0.0, 0))
     others = sorted(used.values(), key=lambda item: -item[1])[:4]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"cores busy: run-batch {root_cores:.2f}" + "".join(f", {name} {cores:.2f}" for name, cores in others)
+    return (f"cores busy: run-batch {root_cores:.2f}"
+            + "".join(f", {name} {cores:.2f}" + (f" (busiest thread {top:.2f})" if count > 1 else "")
+                      for name, cores, top, count in others)
             + f" (host: {os.cpu_count()} cores, load {load:.1f})")
 
 
@@ -109,7 +134,7 @@ class SteadyProbe:
     root: int
     gpus: GpuBusy
     first: tuple[float, dict] | None = None
-    latest: dict = field(default_factory=dict)  # pid -> (name, CPU seconds) in the last snapshot that saw it
+    latest: dict = field(default_factory=dict)  # pid -> process_tree_cpu's entry in the last snapshot that saw it
     last_time: float = 0.0
 
     def sample(self, now: float, steady: bool) -> None:

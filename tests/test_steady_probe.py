@@ -1,6 +1,7 @@
 """benchmarks/steady_probe.py, which the data-parallel benchmark uses to say where a run's steady state went: the CPU
 time of a process tree between two snapshots, and nvidia-smi's busy readings within a window."""
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,6 +30,26 @@ def test_a_busy_child_counts_about_one_core_and_an_idle_one_none():
     assert cores[busy.pid] > 0.5 and cores[idle.pid] < 0.1, cores
     line = cpu_between(os.getpid(), first, last)
     assert line.startswith("cores busy: run-batch ") and "python" in line, line
+
+
+def test_a_process_with_threads_shows_its_busiest_thread():
+    """A child whose one busy thread spins beside an idle one: the process near one core, its busiest thread
+    about the same; a one-thread process shows no thread share."""
+    code = ("import threading, time\nthreading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+            + BUSY.format(seconds=3))
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.5)
+        first = (time.perf_counter(), process_tree_cpu(os.getpid()))
+        time.sleep(1.5)
+        last = (time.perf_counter(), process_tree_cpu(os.getpid()))
+    finally:
+        child.kill(), child.wait()
+    name, _, threads = last[1][child.pid]
+    assert len(threads) == 2 and child.pid in threads, threads
+    line = cpu_between(os.getpid(), first, last)
+    match = re.search(rf"{re.escape(name)} ([\d.]+) \(busiest thread ([\d.]+)\)", line)
+    assert match and float(match.group(2)) > 0.5 and float(match.group(1)) - float(match.group(2)) < 0.1, line
 
 
 def test_gpu_readings_average_per_gpu_within_the_window(tmp_path):
