@@ -290,12 +290,27 @@ launch.launch_replicas = early
     assert imports and max(imports) < 1.0, line
 
 
+def run_with_a_bad_option(tiny_model, tmp_path, capsys):
+    """run-batch -dp 2 in this process with gpu_memory_utilization 1.5: it fails with the option's message; returns
+    the output file's path (which it must not have created)."""
+    from nanovllm import run_batch
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
+    out = tmp_path / "out.jsonl"
+    code = run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
+                           "--gpu-memory-utilization", "1.5"])
+    err = capsys.readouterr().err
+    assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
+    return out
+
+
 def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, capsys, monkeypatch):
     """Options are checked by the driver after an early launch (no safe fork here): a bad one fails the run with
     its message, stops the replicas, and leaves no output file."""
     import multiprocessing
 
-    from nanovllm import batch_start, run_batch
+    from nanovllm import batch_start
     from nanovllm.data_parallel import launch
 
     monkeypatch.setattr(batch_start, "why_not_fork", lambda: "no safe fork here")
@@ -309,13 +324,7 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
 
     monkeypatch.setattr(launch, "launch_replicas", spy)
 
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
-    out = tmp_path / "out.jsonl"
-    code = run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
-                           "--gpu-memory-utilization", "1.5"])
-    err = capsys.readouterr().err
-    assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
+    out = run_with_a_bad_option(tiny_model, tmp_path, capsys)
     assert not out.exists()
     assert len(launched) == 1 and [p.exitcode is not None for p in launched[0].processes] == [True, True]
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("nanovllm-dp-")]
@@ -324,20 +333,14 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
 def test_a_bad_option_fails_before_any_replica_where_they_are_forked(tiny_model, tmp_path, capsys, monkeypatch):
     """Where replicas are forked after the driver's imports, the options are checked before them: a bad one fails
     the run with its message and starts no replica."""
-    from nanovllm import batch_start, run_batch
+    from nanovllm import batch_start
     from nanovllm.data_parallel import driver, launch
 
     started = []
     monkeypatch.setattr(batch_start, "why_not_fork", lambda: "")
     monkeypatch.setattr(launch, "launch_replicas", lambda *args: started.append("early"))
     monkeypatch.setattr(driver, "start_replicas", lambda *args, **kwargs: started.append("after the imports"))
-    inp = tmp_path / "in.jsonl"
-    inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
-    out = tmp_path / "out.jsonl"
-    code = run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
-                           "--gpu-memory-utilization", "1.5"])
-    err = capsys.readouterr().err
-    assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
+    out = run_with_a_bad_option(tiny_model, tmp_path, capsys)
     assert started == [] and not out.exists()
 
 

@@ -15,16 +15,23 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /
 BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
 
 
-def test_a_busy_child_counts_about_one_core_and_an_idle_one_none():
-    busy = subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=3)])
-    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+def snapshots_while(*children: subprocess.Popen) -> tuple[tuple[float, dict], tuple[float, dict]]:
+    """Two snapshots of this process's tree 1.5 s apart while `children` run (0.5 s after their start); then they
+    are stopped."""
     try:
         time.sleep(0.5)
         first = (time.perf_counter(), process_tree_cpu(os.getpid()))
         time.sleep(1.5)
-        last = (time.perf_counter(), process_tree_cpu(os.getpid()))
+        return first, (time.perf_counter(), process_tree_cpu(os.getpid()))
     finally:
-        busy.kill(), idle.kill(), busy.wait(), idle.wait()
+        for child in children:
+            child.kill(), child.wait()
+
+
+def test_a_busy_child_counts_about_one_core_and_an_idle_one_none():
+    busy = subprocess.Popen([sys.executable, "-c", BUSY.format(seconds=3)])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3)"])
+    first, last = snapshots_while(busy, idle)
     assert {busy.pid, idle.pid} <= set(last[1])
     cores = {pid: (last[1][pid][1] - first[1][pid][1]) / (last[0] - first[0]) for pid in (busy.pid, idle.pid)}
     assert cores[busy.pid] > 0.5 and cores[idle.pid] < 0.1, cores
@@ -38,13 +45,7 @@ def test_a_process_with_threads_shows_its_busiest_thread():
     code = ("import threading, time\nthreading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
             + BUSY.format(seconds=3))
     child = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        time.sleep(0.5)
-        first = (time.perf_counter(), process_tree_cpu(os.getpid()))
-        time.sleep(1.5)
-        last = (time.perf_counter(), process_tree_cpu(os.getpid()))
-    finally:
-        child.kill(), child.wait()
+    first, last = snapshots_while(child)
     name, _, threads = last[1][child.pid]
     assert len(threads) == 2 and child.pid in threads, threads
     line = cpu_between(os.getpid(), first, last)
