@@ -254,8 +254,9 @@ if {backend!r} == "mp":
     replicas.close(False)  # at once, as after a bad option: the replicas are still importing
     closing = time.monotonic() - began
     assert alive == [True, True], alive
-    # a spawned replica's new interpreter takes the interrupt wherever it is (the held-back signal is not held
-    # there): it ends at once, by the signal or its KeyboardInterrupt, holding nothing yet; what must not happen
+    # a spawned replica holds the interrupt back from its target's first line (its new interpreter does not
+    # inherit the driver's hold); one that lands before, in the interpreter's start or multiprocessing's
+    # bootstrap, ends it at once by the signal or a KeyboardInterrupt, holding nothing yet. What must not happen
     # is a replica left running until the driver kills it, JOIN_S later
     assert closing < JOIN_S and all(p.exitcode in (0, 1, -signal.SIGINT) for p in replicas.processes), \
         (closing, replicas.processes)

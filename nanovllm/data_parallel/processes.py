@@ -117,10 +117,10 @@ def why_not_fork() -> str:
 @contextmanager
 def sigint_held() -> Iterator[None]:
     """SIGINT held back (blocked, not lost) in this thread while inside, the previous mask restored after; a
-    process started inside inherits the block. Replicas start that way and lift it once their imports are done
-    (_release_sigint): an interrupt that lands in a fork's after-fork hooks or inside torch's import can leave a
-    process unable to exit (the driver then waits JOIN_S to kill it), while one held back arrives where the
-    replica leaves cleanly."""
+    process forked inside inherits the block (a spawned one holds it itself: _hold_sigint). Replicas start that way
+    and lift it once their imports are done (_release_sigint): an interrupt that lands in a fork's after-fork hooks
+    or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to kill it), while
+    one held back arrives where the replica leaves cleanly."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
         yield
         return
@@ -131,6 +131,13 @@ def sigint_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def _hold_sigint() -> None:
+    """A spawned replica's new interpreter does not inherit the driver's hold (the exec resets the signal mask):
+    it holds SIGINT itself from its first instruction of ours, before its heavy imports."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 def _release_sigint() -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -139,6 +146,7 @@ def _release_sigint() -> None:
 def _replica_main(conn: connection.Connection, engine_class: type | str, model: str, options: dict,
                   devices: str | None, threads: int | None, requested_at: float,
                   drivers_ends: list[connection.Connection]) -> None:
+    _hold_sigint()
     for end in drivers_ends:  # a forked replica's copies of the driver's pipe ends (see the module's docstring)
         end.close()
     inbox: queue.Queue = queue.Queue()
@@ -152,7 +160,7 @@ def _replica_main(conn: connection.Connection, engine_class: type | str, model: 
             inbox.put(STOP)
 
     try:  # the driver may stop a replica at any point of its start-up, imports included
-        try:  # SIGINT is held back from the start (ProcessReplicas) until the imports are done
+        try:  # SIGINT is held back from the start (ProcessReplicas, _hold_sigint) until the imports are done
             check_devices(devices, current_process().name)
             if threads is not None:  # CPU replicas share the cores rather than each taking all of them
                 import torch
