@@ -107,8 +107,9 @@ class GpuBusy:
 def cpu_between(root: int, first: tuple[float, dict], last: tuple[float, dict]) -> str:
     """Cores each process kept busy from the snapshot `first` to `last` ((time, process_tree_cpu)): the root, then
     the busiest others, each with its busiest thread's share where it ran more than one (a replica's engine loop
-    is one thread: the rest is its transport and, over Ray, Ray's own threads). A process or thread counts from
-    the first snapshot that saw it."""
+    is one thread: the rest is its transport and, over Ray, Ray's own threads). A process or thread the first
+    snapshot did not see counts all its CPU time (it started since), and a thread gone by the last one drops out;
+    the two are read moments apart, so a thread may show a hair more than its process."""
     (t0, before), (t1, after) = first, last
     if t1 <= t0:
         return "CPU: no interval"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm import batch_io
 from nanovllm.batch_io import Done
-from nanovllm.data_parallel.processes import why_not_fork
+from nanovllm.data_parallel.processes import visible_gpus, why_not_fork
 from nanovllm.engine_flags import engine_options
 
 if TYPE_CHECKING:
@@ -59,8 +59,10 @@ def start(args: argparse.Namespace) -> BatchStart | int:
     started = check_files(args)
     if isinstance(started, int) or not started.todo or serial(args) or args.data_parallel_size < 1:
         return started
-    if args.data_parallel_backend == "mp" and not why_not_fork():
-        return started
+    if args.data_parallel_backend == "mp":
+        visible_gpus()  # where NVML cannot count them, CUDA's count initialises the driver: then no fork is safe
+        if not why_not_fork():
+            return started
     from nanovllm.data_parallel.launch import launch_replicas
 
     try:

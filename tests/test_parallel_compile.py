@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nanovllm.utils.parallel_compile import KernelCompiles
+from nanovllm.utils.parallel_compile import _build_launcher as build_launcher  # before fake_triton replaces it
 
 
 def _kernels():
@@ -191,3 +192,29 @@ def test_with_someone_elses_hook_the_passes_run_for_real(fake_triton):
     compiles.dry_run(lambda: kernel.launch("rows=7"))
     assert kernel.ran == ["rows=7"] and compiles.compiles == []
     assert compiles.wait().startswith("Triton compiled in the passes themselves")
+
+
+def test_the_launcher_is_built_from_the_compiled_variant_and_a_failure_is_not_a_failed_compile(fake_triton,
+                                                                                              monkeypatch):
+    """_build_launcher hands Triton's active driver the compiled variant's source and metadata (what the variant's
+    first launch would build its launcher from); a launcher that fails to build leaves the compile counted as done,
+    since that launch builds it again."""
+    triton_runtime = pytest.importorskip("triton.runtime", reason="Triton is not installed here")
+    from nanovllm.utils import parallel_compile
+
+    built = []
+    monkeypatch.setattr(triton_runtime, "driver", SimpleNamespace(active=SimpleNamespace(
+        launcher_cls=lambda src, metadata: built.append((src, metadata)))))
+    build_launcher(SimpleNamespace(src="its source", metadata="its metadata"))
+    assert built == [("its source", "its metadata")]
+
+    def failing(compiled) -> None:
+        raise RuntimeError("no gcc")
+
+    monkeypatch.setattr(parallel_compile, "_build_launcher", failing)
+    compiles = KernelCompiles(torch.device("cpu"))
+    kernel = FakeKernel("norm", fake_triton)
+    compiles.dry_run(lambda: kernel.launch("rows=7"))
+    assert re.fullmatch(r"1 Triton kernel variants compiled side by side, the last done \d+\.\d s after the first "
+                        r"was met", compiles.wait())
+    assert set(kernel.compiled) == {"rows=7"}

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing import connection, current_process, get_all_start_methods, get_context
+from multiprocessing import connection, current_process, get_all_start_methods, get_context, resource_tracker
 from multiprocessing.process import BaseProcess
 
 from nanovllm.data_parallel.replica import STOP, engine_named, serve
@@ -117,10 +117,10 @@ def why_not_fork() -> str:
 @contextmanager
 def sigint_held() -> Iterator[None]:
     """SIGINT held back (blocked, not lost) in this thread while inside, the previous mask restored after; a
-    process forked inside inherits the block (a spawned one holds it itself: _hold_sigint). Replicas start that way
-    and lift it once their imports are done (_release_sigint): an interrupt that lands in a fork's after-fork hooks
-    or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to kill it), while
-    one held back arrives where the replica leaves cleanly."""
+    process started inside inherits the block, forked or spawned (the mask survives the exec). Replicas start that
+    way and lift it once their imports are done (_release_sigint): an interrupt that lands in a fork's after-fork
+    hooks or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to kill it),
+    while one held back arrives where the replica leaves cleanly."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
         yield
         return
@@ -131,13 +131,6 @@ def sigint_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _hold_sigint() -> None:
-    """A spawned replica's new interpreter does not inherit the driver's hold (the exec resets the signal mask):
-    it holds SIGINT itself from its first instruction of ours, before its heavy imports."""
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-
-
 def _release_sigint() -> None:
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -146,7 +139,6 @@ def _release_sigint() -> None:
 def _replica_main(conn: connection.Connection, engine_class: type | str, model: str, options: dict,
                   devices: str | None, threads: int | None, requested_at: float,
                   drivers_ends: list[connection.Connection]) -> None:
-    _hold_sigint()
     for end in drivers_ends:  # a forked replica's copies of the driver's pipe ends (see the module's docstring)
         end.close()
     inbox: queue.Queue = queue.Queue()
@@ -160,7 +152,7 @@ def _replica_main(conn: connection.Connection, engine_class: type | str, model: 
             inbox.put(STOP)
 
     try:  # the driver may stop a replica at any point of its start-up, imports included
-        try:  # SIGINT is held back from the start (ProcessReplicas, _hold_sigint) until the imports are done
+        try:  # SIGINT is held back from the start (ProcessReplicas) until the imports are done
             check_devices(devices, current_process().name)
             if threads is not None:  # CPU replicas share the cores rather than each taking all of them
                 import torch
@@ -195,16 +187,20 @@ class ProcessReplicas:
         self.processes = []
         self.ended: set[int] = set()  # replicas whose pipe reached end-of-file
         self.reported: set[int] = set()  # ... and that lost() has named
+        if self.start_method == "spawn":
+            # the first spawn starts multiprocessing's resource tracker, which unblocks SIGINT in this thread as it
+            # does: started first, it leaves the hold below whole for every replica
+            resource_tracker.ensure_running()
         # SIGINT held over the whole launch: each replica inherits the hold and lifts it after its imports, and one
-        # that reaches the driver meanwhile arrives once every started replica is recorded here to be stopped
-        with sigint_held():
-            try:
+        # that reaches the driver meanwhile arrives as the hold ends, with every started replica recorded here
+        try:
+            with sigint_held():
                 for r, group in enumerate(devices):
                     self._start(ctx, r, group, engine_class, model, options, threads)
-            except BaseException:  # a later replica failed to start: the earlier ones would wait for work forever
-                for process in self.processes:
-                    process.kill()
-                raise
+        except BaseException:  # a replica failed to start, or an interrupt came: the others would wait forever
+            for process in self.processes:
+                process.kill()
+            raise
         self.names = [f"replica {r} ({self.start_method}ed pid {p.pid}{f', GPUs {g}' if g else ', CPU'})"
                       for r, (p, g) in enumerate(zip(self.processes, devices))]
 

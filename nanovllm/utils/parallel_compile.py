@@ -17,8 +17,9 @@ scratch offsets, the penalties' marks) meets that kernel within one pass, where 
 Every dry pass must also be safe to run for real: without Triton's hooks it is. Its memory is what the real
 pass's would be: torch allocates a kernel's outputs before the launch.
 
-With Triton before 3.7 a variant's first launch still builds its C launcher (cached on disk with the kernels) and
-loads its binary, on the launching thread.
+Triton before 3.7 also builds a C launcher per kernel signature (gcc, cached on disk with the kernels) at a
+variant's first launch, on the launching thread: the compile threads build it after each variant, so that the
+launch mostly only loads it (a launch that comes first builds it itself).
 """
 import logging
 import threading
@@ -102,7 +103,11 @@ class KernelCompiles:
 
     def _compile(self, kernel: Any, specialization: str) -> None:
         with torch.cuda.device(self.device):  # the kernel's per-device cache: this rank's, not the thread's default
-            _build_launcher(kernel.preload(specialization))
+            compiled = kernel.preload(specialization)
+            try:
+                _build_launcher(compiled)
+            except Exception as error:  # noqa: BLE001 - the variant is compiled; its first launch builds this again
+                logger.debug("launcher of %s ahead of its launch failed: %r", kernel.fn.__name__, error)
 
     def wait(self) -> str:
         """Join the compiles handed to the pool since the last wait; returns a line for the log. A compile that
