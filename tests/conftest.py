@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -8,6 +9,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from nanovllm.utils.random_checkpoint import write_random_checkpoint  # noqa: E402
+
+# The tests that stop replicas with Ctrl-C (as run-batch does after a failure) assume a terminal's foreground job. A
+# background job of a non-interactive shell starts with SIGINT ignored, which every process below would inherit:
+# its replicas would then wait out JOIN_S before being killed, and an interrupt would never arrive
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
