@@ -10,9 +10,10 @@ if not torch.cuda.is_available():
 
 from nanovllm.utils.random_checkpoint import write_random_checkpoint  # noqa: E402
 
-# The tests that stop replicas with Ctrl-C (as run-batch does after a failure) assume a terminal's foreground job. A
-# background job of a non-interactive shell starts with SIGINT ignored, which every process below would inherit:
-# its replicas would then wait out JOIN_S before being killed, and an interrupt would never arrive
+# Some tests press Ctrl-C themselves (SIGINT to their own process) and expect a terminal foreground job's response.
+# A background job of a non-interactive shell starts with SIGINT ignored, which those interrupts would then meet:
+# the suite restores the default. (Replicas stopped by their driver do not depend on it: tests/
+# test_data_parallel_startup.py runs a driver that ignores SIGINT.)
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -157,6 +157,40 @@ def test_a_forked_replica_leaves_when_its_driver_dies(tiny_model):
         driver.stdout.close()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux signals (fork and SIG_IGN inheritance)")
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned"])
+def test_replicas_stop_at_once_when_the_driver_ignores_ctrl_c(tiny_model, fork):
+    """A driver started as a background job of a script ignores SIGINT, and so do the replicas it starts; stopping
+    them after a failure (close(False)) still ends their engines at once, mid-generation, and they exit cleanly,
+    rather than being killed JOIN_S later."""
+    script = f"""
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from nanovllm.data_parallel import processes
+from nanovllm.data_parallel.replica import Work
+from nanovllm.sampling_params import SamplingParams
+replicas = processes.ProcessReplicas(2, "nanovllm.llm:LLM", {tiny_model!r}, {OPTIONS!r}, fork={fork!r})
+assert replicas.start_method == {"fork" if fork else "spawn"!r}, replicas.start_method
+ready, results = set(), 0
+deadline = time.monotonic() + 240
+while len(ready) < 2:
+    assert time.monotonic() < deadline, "the replicas did not start"
+    ready |= {{r for r, (kind, _) in replicas.receive(0.2) if kind == "ready"}}
+for r in range(2):
+    replicas.send(r, [Work(0, [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))])
+time.sleep(1.0)  # both engines are generating now
+began = time.monotonic()
+replicas.close(False)
+print(round(time.monotonic() - began, 1), *[p.exitcode for p in replicas.processes])
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=400,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    closing, *codes = result.stdout.split()
+    assert float(closing) < 15 and codes == ["0", "0"], (f"closing took {closing} s (JOIN_S {processes.JOIN_S:g}), "
+                                                         f"exit codes {codes}", result.stderr[-2000:])
+
+
 def is_running(pid: int) -> bool:
     """Whether `pid` is a live process (a zombie, dead and not yet reaped by init, is not)."""
     try:
@@ -366,22 +400,25 @@ def test_an_interrupt_during_the_launch_stops_the_replicas_started(tiny_model, m
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no POSIX signal masks on this platform")
-def test_holding_sigint_restores_the_mask_it_found():
-    """The driver holds SIGINT back only while it starts a replica: a caller's own mask is left as it was."""
+def test_holding_interrupts_restores_the_mask_it_found():
+    """The driver holds SIGINT and its stop signal back only while it starts a replica: a caller's own mask is left
+    as it was."""
     def blocked() -> bool:
-        return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        assert (signal.SIGINT in mask) == (signal.SIGTERM in mask), mask  # the driver's stop signal goes with it
+        return signal.SIGINT in mask
 
     assert not blocked()
-    with processes.sigint_held():
+    with processes.interrupts_held():
         assert blocked()
     assert not blocked()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_BLOCK, processes.INTERRUPTS)
     try:
-        with processes.sigint_held():
+        with processes.interrupts_held():
             assert blocked()
         assert blocked()
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, processes.INTERRUPTS)
 
 
 def run_cli_in_a_process(tiny_model, tmp_path, code_before: str, *flags: str) -> subprocess.CompletedProcess:

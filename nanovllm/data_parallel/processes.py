@@ -26,6 +26,10 @@ from multiprocessing.process import BaseProcess
 from nanovllm.data_parallel.replica import STOP, engine_named, serve
 
 JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
+# how the driver stops a replica at once (after a failure): the replica takes it as its Ctrl-C. Not SIGINT itself:
+# a driver started as a shell script's background job ignores SIGINT, and so would every replica it starts
+STOP_SIGNAL = signal.SIGTERM
+INTERRUPTS = {signal.SIGINT, STOP_SIGNAL}
 CUDA_ERROR_NOT_INITIALIZED = 3  # the CUDA driver's answer to a call before cuInit
 
 
@@ -115,25 +119,36 @@ def why_not_fork() -> str:
 
 
 @contextmanager
-def sigint_held() -> Iterator[None]:
-    """SIGINT held back (blocked, not lost) in this thread while inside, the previous mask restored after; a
-    process started inside inherits the block, forked or spawned (the mask survives the exec). Replicas start that
-    way and lift it once their imports are done (_release_sigint): an interrupt that lands in a fork's after-fork
-    hooks or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to kill it),
-    while one held back arrives where the replica leaves cleanly."""
+def interrupts_held() -> Iterator[None]:
+    """SIGINT and STOP_SIGNAL held back (blocked, not lost) in this thread while inside, the previous mask restored
+    after; a process started inside inherits the block, forked or spawned (the mask survives the exec). Replicas
+    start that way and lift it once their imports are done (_take_interrupts): an interrupt that lands in a fork's
+    after-fork hooks or inside torch's import can leave a process unable to exit (the driver then waits JOIN_S to
+    kill it), while one held back arrives where the replica leaves cleanly."""
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _release_sigint() -> None:
+def _interrupt(signum: int, frame) -> None:
+    """STOP_SIGNAL's handler in a replica: whatever handles Ctrl-C at this moment handles it (the engine defers one
+    past a tensor-parallel step), and where Ctrl-C is ignored it still stops the replica."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+    else:
+        raise KeyboardInterrupt
+
+
+def _take_interrupts() -> None:
+    signal.signal(STOP_SIGNAL, _interrupt)
     if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
 
 
 def _replica_main(conn: connection.Connection, engine_class: type | str, model: str, options: dict,
@@ -152,7 +167,7 @@ def _replica_main(conn: connection.Connection, engine_class: type | str, model: 
             inbox.put(STOP)
 
     try:  # the driver may stop a replica at any point of its start-up, imports included
-        try:  # SIGINT is held back from the start (ProcessReplicas) until the imports are done
+        try:  # interrupts are held back from the start (ProcessReplicas) until the imports are done
             check_devices(devices, current_process().name)
             if threads is not None:  # CPU replicas share the cores rather than each taking all of them
                 import torch
@@ -160,7 +175,7 @@ def _replica_main(conn: connection.Connection, engine_class: type | str, model: 
                 torch.set_num_threads(threads)
             engine = engine_named(engine_class)
         finally:
-            _release_sigint()
+            _take_interrupts()
         threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
         serve(lambda: engine(model, **options), inbox, conn.send, requested_at)
     except (BrokenPipeError, KeyboardInterrupt):  # the driver left or stopped us: not worth a traceback
@@ -188,13 +203,13 @@ class ProcessReplicas:
         self.ended: set[int] = set()  # replicas whose pipe reached end-of-file
         self.reported: set[int] = set()  # ... and that lost() has named
         if self.start_method == "spawn":
-            # the first spawn starts multiprocessing's resource tracker, which unblocks SIGINT in this thread as it
-            # does: started first, it leaves the hold below whole for every replica
+            # the first spawn starts multiprocessing's resource tracker, which unblocks SIGINT and SIGTERM in this
+            # thread as it does: started first, it leaves the hold below whole for every replica
             resource_tracker.ensure_running()
-        # SIGINT held over the whole launch: each replica inherits the hold and lifts it after its imports, and one
-        # that reaches the driver meanwhile arrives as the hold ends, with every started replica recorded here
+        # interrupts held over the whole launch: each replica inherits the hold and lifts it after its imports, and
+        # one that reaches the driver meanwhile arrives as the hold ends, with every started replica recorded here
         try:
-            with sigint_held():
+            with interrupts_held():
                 for r, group in enumerate(devices):
                     self._start(ctx, r, group, engine_class, model, options, threads)
         except BaseException:  # a replica failed to start, or an interrupt came: the others would wait forever
@@ -254,14 +269,14 @@ class ProcessReplicas:
         self.ended.add(r)
 
     def close(self, clean: bool) -> None:
-        """Stop every replica: STOP after a clean run; otherwise Ctrl-C, so engines abort and free their
-        workers and shared memory; a replica that does not go within JOIN_S s is killed."""
+        """Stop every replica: STOP after a clean run; otherwise STOP_SIGNAL (their Ctrl-C), so engines abort and
+        free their workers and shared memory; a replica that does not go within JOIN_S s is killed."""
         for r, process in enumerate(self.processes):
             if process.is_alive():
                 if clean:
                     self.send(r, [STOP])
                 else:
-                    os.kill(process.pid, signal.SIGINT)
+                    os.kill(process.pid, STOP_SIGNAL)
         for process in self.processes:
             process.join(timeout=JOIN_S)
             if process.is_alive():
