@@ -167,7 +167,7 @@ def test_replicas_stop_at_once_when_the_driver_ignores_ctrl_c(tiny_model, fork):
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 from nanovllm.data_parallel import processes
-from nanovllm.data_parallel.replica import Work
+from nanovllm.data_parallel.replica import DRAIN, Work
 from nanovllm.sampling_params import SamplingParams
 replicas = processes.ProcessReplicas(2, "nanovllm.llm:LLM", {tiny_model!r}, {OPTIONS!r}, fork={fork!r})
 assert replicas.start_method == {"fork" if fork else "spawn"!r}, replicas.start_method
@@ -177,8 +177,9 @@ while len(ready) < 2:
     assert time.monotonic() < deadline, "the replicas did not start"
     ready |= {{r for r, (kind, _) in replicas.receive(0.2) if kind == "ready"}}
 for r in range(2):
-    replicas.send(r, [Work(0, [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True))])
-time.sleep(1.0)  # both engines are generating now
+    # DRAIN: the engine has all its work and steps, rather than waiting for more
+    replicas.send(r, [Work(i, [1, 2, 3], SamplingParams(max_tokens=400, ignore_eos=True)) for i in range(2)] + [DRAIN])
+time.sleep(1.0)  # both engines are generating now (two 400-token requests take longer than this here)
 began = time.monotonic()
 replicas.close(False)
 print(round(time.monotonic() - began, 1), *[p.exitcode for p in replicas.processes])
