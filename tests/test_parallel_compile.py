@@ -2,6 +2,7 @@
 nothing, the real pass after it compiles nothing and computes what it would have computed, and an engine's start-up
 leaves no kernel for its real passes to compile. On CPU, with a stand-in for Triton's hook and kernels: what a dry
 pass records, where it compiles (the launcher too), and what happens when a compile or a pass fails."""
+import json
 import os
 import re
 import subprocess
@@ -70,30 +71,88 @@ from triton import knobs
 compiles = []  # (thread name, kernel) of every Triton compile in this process
 knobs.runtime.jit_post_compile_hook = lambda **kwargs: compiles.append((threading.current_thread().name,
                                                                         kwargs["fn"].name))
+from dataclasses import replace
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], attention_backend=sys.argv[2], max_model_len=1024, max_num_seqs=64)
-for seed in (None, 1):  # a first unseeded and a first seeded request, of odd batch sizes and prompt lengths
-    params = SamplingParams(max_tokens=20, temperature=0.6, seed=seed)
-    llm.generate([[1, 2, 3]] * 3 + [[4] * 21], params, use_tqdm=False)
+defaults = llm.get_default_sampling_params()
+# first requests plainly, seeded, with the checkpoint's defaults (seeded and not) and with penalties, in batches
+# of odd and even sizes and prompt lengths whose decode steps shrink from 5 rows to 1 as requests finish
+settings = [SamplingParams(temperature=0.6), SamplingParams(temperature=0.6, seed=1), defaults,
+            replace(defaults, seed=1), SamplingParams(temperature=0.6, repetition_penalty=1.2),
+            SamplingParams(temperature=0.6, presence_penalty=0.5, frequency_penalty=0.5, seed=2)]
+prompts = [[1, 2, 3]] * 3 + [[4] * 21, [5] * 8]
+for params in settings:
+    llm.generate(prompts, [replace(params, max_tokens=n, ignore_eos=True) for n in (2, 5, 9, 14, 20)],
+                 use_tqdm=False)
 for thread, kernel in compiles:
     print("compile:", thread, kernel)
 print("compiles:", len(compiles))
 '''
 
 
+def with_generation_config(model: str, folder, **generation) -> str:
+    """A copy of the checkpoint (its files linked) whose generation_config.json recommends `generation`."""
+    folder.mkdir()
+    for name in os.listdir(model):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(model, name), folder / name)
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return str(folder)
+
+
+# Qwen2.5-Instruct's recommended sampling: top-k, top-p and a repetition penalty
+QWEN25_SAMPLING = {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 def test_an_engine_compiles_its_start_up_kernels_side_by_side(backend, small_model, tmp_path):
     """A fresh compile cache, as on a user's first start: every kernel variant that start-up and the first requests
-    (seeded and not) meet is compiled in the compile threads at start-up; nothing compiles on the engine's thread."""
+    meet (plain, seeded, the checkpoint's default sampling seeded and not, penalties; decode batches of every size
+    from 5 rows to 1) is compiled in the compile threads at start-up; nothing compiles on the engine's thread."""
+    model = with_generation_config(small_model, tmp_path / "model", **QWEN25_SAMPLING)
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"))
-    result = subprocess.run([sys.executable, "-c", ENGINE_COMPILES, small_model, backend], env=env,
+    result = subprocess.run([sys.executable, "-c", ENGINE_COMPILES, model, backend], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     compiles = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("compile:")]
     assert compiles, result.stdout  # a fresh cache: the start-up compiled something
     in_passes = [line for line in compiles if not line.startswith("triton-compile")]
     assert in_passes == [], "\n".join(compiles)
+
+
+def recording(prepare, calls: list):
+    """The sampler's prepare, noting each batch's settings and whether it is a decode step's (fed tokens)."""
+    def prepare_and_note(rows, fed=None):
+        calls.append(([row.params for row in rows], fed is not None))
+        return prepare(rows, fed)
+    return prepare_and_note
+
+
+def test_the_first_serving_passes_sample_what_the_first_requests_will_and_change_no_output(tiny_model, tmp_path,
+                                                                                          monkeypatch):
+    """The passes an engine runs dry at start-up on a GPU (here for real, on CPU): a prefill and a decode step's
+    sampling for each setting the first requests are likely to meet, the checkpoint's defaults among them; and an
+    engine that ran them generates what one that did not generates."""
+    from nanovllm import LLM, SamplingParams
+
+    model = with_generation_config(tiny_model, tmp_path / "model", **QWEN25_SAMPLING)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5, max_tokens=8),
+              SamplingParams(**QWEN25_SAMPLING, seed=3, max_tokens=8)]
+    outputs = []
+    for run_passes in (True, False):
+        with LLM(model, max_model_len=128, max_num_seqs=8) as llm:
+            if run_passes:
+                sampler, prepared = llm.model_runner.sampler, []
+                monkeypatch.setattr(sampler, "prepare", recording(sampler.prepare, prepared))
+                llm.model_runner.first_serving_passes()
+                monkeypatch.undo()
+                expected = [SamplingParams(**settings, seed=seed) for settings in
+                            ({}, {"repetition_penalty": 1.1}, QWEN25_SAMPLING) for seed in (None, 0)]
+                assert prepared == [([p], False) for p in expected] + [([p, p], True) for p in expected]
+            outputs.append([out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
 
 
 class FakeKernel:

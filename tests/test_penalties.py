@@ -54,3 +54,20 @@ def test_penalties_follow_each_request_through_decode_eviction_and_recompute(use
                                    msg=f"step {step}")
     assert len(histories.owner) < len(seqs)  # rows were reused, not one per request
     assert not histories.use_kernel or not histories.marks(1, vocab).any()  # the scratch is left clear
+
+
+def test_the_kernels_arguments_look_the_same_to_triton_at_every_batch_size():
+    """Triton compiles a variant per pointer alignment (16 bytes) and per integer that is 1 or a multiple of 16:
+    every pointer the kernel gets is 16-byte aligned and every integer that grows with the batch or the histories
+    is of one kind at each size, so decode steps of any size run the variant start-up compiled."""
+    histories = PenaltyHistories(torch.device("cpu"))
+    for size in range(1, 40):
+        seqs = [Sequence(list(range(1 + (i * 7 + size) % 50)), SamplingParams(repetition_penalty=1.2,
+                                                                               presence_penalty=0.1))
+                for i in range(size)]
+        for fed in (None, torch.zeros(size, dtype=torch.int64)):
+            tensors = histories.tensors(seqs, fed)
+            for name in ("strengths", "lengths", "prompt_lengths", "table", "table_rows"):
+                assert getattr(tensors, name).data_ptr() % 16 == 0, (size, name)
+            assert tensors.table.stride(0) % 16 == 0, size
+            assert tensors.strengths.stride(0) >= size  # the kernel's row stride (not specialised: it varies)

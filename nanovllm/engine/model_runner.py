@@ -1,5 +1,6 @@
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -194,15 +195,30 @@ class ModelRunner:
 
     def first_serving_passes(self) -> None:
         """What the first requests meet that the warmups did not: a prefill that writes the KV cache (into block 0,
-        which holds nothing yet), sampled plainly, with a seed, and with the checkpoint's default sampling."""
+        which holds nothing yet), then a decode step's sampling, where a penalty also counts the token fed. Each is
+        sampled plainly and with a penalty (float32 logits), and with the checkpoint's default sampling; each of
+        these with a seed and without."""
+        settings = [SamplingParams(), SamplingParams(repetition_penalty=1.1)]
         try:
-            defaults = [SamplingParams.from_generation_config(self.config.model)]
+            settings.append(SamplingParams.from_generation_config(self.config.model))
         except ValueError:  # a setting SamplingParams refuses: get_default_sampling_params() raises it by name
-            defaults = []
-        for params in (SamplingParams(), SamplingParams(seed=0), *defaults):
+            pass
+        settings = [replace(params, seed=seed) for params in settings for seed in (None, 0)]
+        settings = [params for i, params in enumerate(settings) if params not in settings[:i]]
+        for params in settings:
             seq = Sequence([0, 1, 2], params, block_size=self.block_size)
             seq.block_table, seq.num_scheduled_tokens = [0], 3
             self.launch(Step.of([seq], True))
+        if self.rank == 0:
+            # two rows, so that no row count of 1 is met only here; the decode's forward is the graphs' warmup.
+            # The fed tokens are int32 at the start of a buffer, as a decode step's input ids are
+            rows = [Sequence([0, 1, 2], params, block_size=self.block_size) for params in settings for _ in (0, 1)]
+            for seq in rows:
+                seq.append_token(3)
+            fed = torch.zeros(2, dtype=torch.int32, device=self.device)
+            for i in range(0, len(rows), 2):
+                logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
+                self.sampler(logits, self.sampler.prepare(rows[i:i + 2], fed))
 
     def log_compiles(self, line: str) -> None:
         if self.rank == 0:

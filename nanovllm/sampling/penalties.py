@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.sampling.rows import SamplingRow
+from nanovllm.sampling.rows import SamplingRow, aligned_rows
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -34,9 +34,11 @@ def has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-@triton.jit
+# the strengths' row stride grows with the batch: specialised, a batch whose stride is a multiple of 16 would
+# compile a variant of its own in the middle of a run
+@triton.jit(do_not_specialize=["strengths_stride"])
 def _penalties_kernel(logits_ptr, logits_stride, table_ptr, table_stride, table_rows_ptr, lengths_ptr,
-                      prompt_lengths_ptr, strengths_ptr, num_rows, fed_ptr, marks_ptr, marks_stride,
+                      prompt_lengths_ptr, strengths_ptr, strengths_stride, fed_ptr, marks_ptr, marks_stride,
                       HAS_FED: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     length = tl.load(lengths_ptr + row)
@@ -57,8 +59,8 @@ def _penalties_kernel(logits_ptr, logits_stride, table_ptr, table_stride, table_
             tl.atomic_or(marks + token, 1, mask=listed & (position < prompt_length))
         tl.debug_barrier()
         repetition = tl.load(strengths_ptr + row)
-        presence = tl.load(strengths_ptr + num_rows + row)
-        frequency = tl.load(strengths_ptr + 2 * num_rows + row)
+        presence = tl.load(strengths_ptr + strengths_stride + row)
+        frequency = tl.load(strengths_ptr + 2 * strengths_stride + row)
         logits = logits_ptr + row * logits_stride
         # pass 2: the first listing of each token takes its mark (leaving zero) and rewrites its logit once
         for start in range(0, length, BLOCK):
@@ -93,7 +95,7 @@ class PenaltyTensors:
         rows, vocab = logits.shape
         marks = self.histories.marks(rows, vocab)
         _penalties_kernel[(rows,)](logits, logits.stride(0), self.table, self.table.stride(0), self.table_rows,
-                                   self.lengths, self.prompt_lengths, self.strengths, rows,
+                                   self.lengths, self.prompt_lengths, self.strengths, self.strengths.stride(0),
                                    self.fed_token_ids, marks, marks.stride(0),
                                    HAS_FED=self.fed_token_ids is not None, BLOCK=512)
         return logits
@@ -174,10 +176,10 @@ class PenaltyHistories:
         lengths = (known + decode) * penalised
         self.filled.update(zip(compress(ids, penalised), lengths[penalised].tolist()))
         prompt_lengths = np.fromiter(map(_num_prompt_tokens, seqs), np.int64, len(seqs))
-        meta = to_device(np.stack([rows, lengths, prompt_lengths]), self.device)
+        meta = to_device(aligned_rows([rows, lengths, prompt_lengths], np.int64), self.device)[:, :len(seqs)]
         table_rows, length, prompt_length = meta
-        strengths = to_device(np.stack([np.fromiter(map(setting, params), np.float32, len(seqs))
-                                        for setting in _STRENGTHS]), self.device)
+        strengths = to_device(aligned_rows([np.fromiter(map(setting, params), np.float32, len(seqs))
+                                            for setting in _STRENGTHS], np.float32), self.device)[:, :len(seqs)]
         return PenaltyTensors(strengths, length, prompt_length, self.table, table_rows, int(lengths.max()),
                               fed_token_ids, self)
 
@@ -207,8 +209,9 @@ class PenaltyHistories:
         old_rows, old_width = self.table.shape
         if rows <= old_rows and width <= old_width:
             return
-        table = torch.zeros(max(rows, 2 * old_rows), max(width, 2 * old_width), dtype=torch.int32,
-                            device=self.device)
+        # a multiple of 16 wide: the kernel's row stride is then always the same kind of integer to Triton
+        width = -(-max(width, 2 * old_width) // 16) * 16
+        table = torch.zeros(max(rows, 2 * old_rows), width, dtype=torch.int32, device=self.device)
         if old_rows:  # owned rows keep their index; the old spare row holds nothing of value
             table[:old_rows - 1, :old_width] = self.table[:old_rows - 1]
         self.table = table

@@ -1,6 +1,9 @@
 """What sampling reads of each request in a batch. Declared here, rather than taken from the engine's Sequence
-(engine/sequence.py, which has these fields), so sampling imports nothing from the engine above it."""
+(engine/sequence.py, which has these fields), so sampling imports nothing from the engine above it; and how
+per-row settings are laid out for the device."""
 from typing import Protocol
+
+import numpy as np
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -23,3 +26,14 @@ class SamplingRow(Protocol):
 
     @property
     def completion_token_ids(self) -> list[int]: ...
+
+
+def aligned_rows(rows: list, dtype: type) -> np.ndarray:
+    """The rows as one array whose every row starts on a 16-byte boundary: Triton specialises a kernel
+    on whether each pointer is 16-byte aligned, so a row that started elsewhere at some batch sizes would compile a
+    variant of its own in the middle of a run."""
+    per_16_bytes = 16 // np.dtype(dtype).itemsize
+    width = len(rows[0])
+    array = np.zeros((len(rows), -(-width // per_16_bytes) * per_16_bytes), dtype=dtype)
+    array[:, :width] = rows
+    return array

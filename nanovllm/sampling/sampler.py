@@ -10,7 +10,7 @@ from nanovllm.sampling.bad_words import BadWordsMask, bad_words_mask
 from nanovllm.sampling.floors import logit_floors
 from nanovllm.sampling.gumbel_max import gumbel_max_sample
 from nanovllm.sampling.penalties import PenaltyHistories, PenaltyTensors, has_penalties
-from nanovllm.sampling.rows import SamplingRow
+from nanovllm.sampling.rows import SamplingRow, aligned_rows
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.device import to_device
 
@@ -76,17 +76,6 @@ def step_keys(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return ((z ^ (z >> np.uint64(31))) >> np.uint64(1)).astype(np.int64)
-
-
-def aligned_rows(rows: list, dtype: type) -> np.ndarray:
-    """The rows as one array whose every row starts on a 16-byte boundary: Triton specialises a kernel
-    on whether each pointer is 16-byte aligned, so a row that started elsewhere at some batch sizes would compile a
-    variant of its own in the middle of a run."""
-    per_16_bytes = 16 // np.dtype(dtype).itemsize
-    width = len(rows[0])
-    array = np.zeros((len(rows), -(-width // per_16_bytes) * per_16_bytes), dtype=dtype)
-    array[:, :width] = rows
-    return array
 
 
 def samples_with_temperature_only(params: SamplingParams) -> bool:
