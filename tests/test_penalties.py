@@ -71,3 +71,17 @@ def test_the_kernels_arguments_look_the_same_to_triton_at_every_batch_size():
                 assert getattr(tensors, name).data_ptr() % 16 == 0, (size, name)
             assert tensors.table.stride(0) % 16 == 0, size
             assert tensors.strengths.stride(0) >= size  # the kernel's row stride (not specialised: it varies)
+
+
+def test_the_table_grows_only_in_the_dimension_that_needs_it():
+    histories = PenaltyHistories(torch.device("cpu"))
+    penalised = SamplingParams(repetition_penalty=1.2)
+    histories.tensors([Sequence([1, 2, 3], penalised)], None)
+    rows, width = histories.table.shape
+    assert width % 16 == 0
+    histories.tensors([Sequence([1, 2, 3], penalised) for _ in range(3 * rows)], None)  # more rows, same lengths
+    assert histories.table.size(0) > rows and histories.table.size(1) == width
+    grown = histories.table.size(0)
+    histories.tensors([Sequence(list(range(3 * width)), penalised)], None)  # a longer history, no more rows
+    assert histories.table.size(0) == grown and histories.table.size(1) >= 3 * width + 1
+    assert histories.table.size(1) % 16 == 0

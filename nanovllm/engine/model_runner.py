@@ -1,6 +1,5 @@
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -9,6 +8,7 @@ import torch.distributed as dist
 from nanovllm.attention import KVCacheLayout, make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
+from nanovllm.engine.first_requests import first_request_settings, prefill_sequence, sample_decode_steps
 from nanovllm.engine.model_inputs import InputBuilder
 from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
@@ -29,7 +29,6 @@ from nanovllm.quantization import (
     quantization_settings,
 )
 from nanovllm.sampling.sampler import Sampler
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model
@@ -193,32 +192,15 @@ class ModelRunner:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    @torch.inference_mode()
     def first_serving_passes(self) -> None:
-        """What the first requests meet that the warmups did not: a prefill that writes the KV cache (into block 0,
-        which holds nothing yet), then a decode step's sampling, where a penalty also counts the token fed. Each is
-        sampled plainly and with a penalty (float32 logits), and with the checkpoint's default sampling; each of
-        these with a seed and without."""
-        settings = [SamplingParams(), SamplingParams(repetition_penalty=1.1)]
-        try:
-            settings.append(SamplingParams.from_generation_config(self.config.model))
-        except ValueError:  # a setting SamplingParams refuses: get_default_sampling_params() raises it by name
-            pass
-        settings = [replace(params, seed=seed) for params in settings for seed in (None, 0)]
-        settings = [params for i, params in enumerate(settings) if params not in settings[:i]]
+        """What the first requests meet that the warmups did not (engine/first_requests.py): a prefill, then a
+        decode step's sampling, where a penalty also counts the token fed."""
+        settings = first_request_settings(self.config.model)
         for params in settings:
-            seq = Sequence([0, 1, 2], params, block_size=self.block_size)
-            seq.block_table, seq.num_scheduled_tokens = [0], 3
-            self.launch(Step.of([seq], True))
-        if self.rank == 0:
-            # two rows, so that no row count of 1 is met only here; the decode's forward is the graphs' warmup.
-            # The fed tokens are int32 at the start of a buffer, as a decode step's input ids are
-            rows = [Sequence([0, 1, 2], params, block_size=self.block_size) for params in settings for _ in (0, 1)]
-            for seq in rows:
-                seq.append_token(3)
-            fed = torch.zeros(2, dtype=torch.int32, device=self.device)
-            for i in range(0, len(rows), 2):
-                logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
-                self.sampler(logits, self.sampler.prepare(rows[i:i + 2], fed))
+            self.launch(Step.of([prefill_sequence(params, self.block_size)], True))
+        if self.rank == 0:  # the decode's forward is the graphs' warmup
+            sample_decode_steps(self.sampler, settings, self.config.hf_config.vocab_size, self.dtype, self.block_size)
 
     def log_compiles(self, line: str) -> None:
         if self.rank == 0:

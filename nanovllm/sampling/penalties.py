@@ -209,9 +209,11 @@ class PenaltyHistories:
         old_rows, old_width = self.table.shape
         if rows <= old_rows and width <= old_width:
             return
-        # a multiple of 16 wide: the kernel's row stride is then always the same kind of integer to Triton
-        width = -(-max(width, 2 * old_width) // 16) * 16
-        table = torch.zeros(max(rows, 2 * old_rows), width, dtype=torch.int32, device=self.device)
+        # each dimension doubles only when it must grow; the width stays a multiple of 16, so that the kernel's row
+        # stride is always the same kind of integer to Triton
+        rows = old_rows if rows <= old_rows else max(rows, 2 * old_rows)
+        width = old_width if width <= old_width else -(-max(width, 2 * old_width) // 16) * 16
+        table = torch.zeros(rows, width, dtype=torch.int32, device=self.device)
         if old_rows:  # owned rows keep their index; the old spare row holds nothing of value
             table[:old_rows - 1, :old_width] = self.table[:old_rows - 1]
         self.table = table
