@@ -9,7 +9,7 @@ if TYPE_CHECKING:  # what the names below resolve to, for type checkers and edit
     from nanovllm.engine.prompts import TextPrompt, TokensPrompt
     from nanovllm.llm import LLM
     from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 try:
     __version__ = version("nano-vllm")
@@ -17,11 +17,12 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
 # public name -> the module that defines it
-_EXPORTS = {"LLM": "nanovllm.llm", "SamplingParams": "nanovllm.sampling_params", "RequestOutput": "nanovllm.outputs",
+_EXPORTS = {"LLM": "nanovllm.llm", "SamplingParams": "nanovllm.sampling_params",
+            "StructuredOutputsParams": "nanovllm.sampling_params", "RequestOutput": "nanovllm.outputs",
             "CompletionOutput": "nanovllm.outputs", "Logprob": "nanovllm.outputs",
             "TextPrompt": "nanovllm.engine.prompts", "TokensPrompt": "nanovllm.engine.prompts"}
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt",
-           "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str) -> object:

@@ -2,6 +2,61 @@ import json
 import os
 from dataclasses import dataclass, field
 
+# StructuredOutputsParams' kinds: exactly one is set
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True, kw_only=True, frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding, vLLM's names: every generated token keeps the output a prefix of something the
+    constraint accepts (compiled by xgrammar), and the output ends only where it may. Exactly one kind:
+
+    json: a JSON schema (a dict, or its JSON text); regex: a regular expression the whole output matches;
+    choice: the output is one of these strings; grammar: an EBNF grammar as xgrammar takes it (rule `root`);
+    json_object: True for any JSON object.
+    disable_any_whitespace: JSON without whitespace between tokens (`{"a":1,"b":2}`). Otherwise JSON may put
+        whitespace between tokens, at most a few characters in a row, so no model can spend its tokens on it.
+    disable_additional_properties: accepted for vLLM's code; xgrammar never admits properties a schema's
+        object does not list unless its additionalProperties says so, whatever this says.
+    whitespace_pattern: not supported (xgrammar has no such option): anything but None is refused.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                             f"{' and '.join(given) if given else 'none'}")
+        structured = "StructuredOutputsParams."
+        _check(structured + "json", self.json, self.json is None or isinstance(self.json, (dict, str)),
+               "a JSON schema: a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(structured + name, value, value is None or (isinstance(value, str) and value != ""),
+                   "a non-empty string")
+        _check(structured + "choice", self.choice, self.choice is None or (
+            isinstance(self.choice, (list, tuple)) and self.choice and all(isinstance(c, str) and c
+                                                                           for c in self.choice)),
+               "a non-empty list of non-empty strings")
+        _check(structured + "json_object", self.json_object, self.json_object in (None, True, False),
+               "True, False or None")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            _check(structured + name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
+        _check(structured + "whitespace_pattern", self.whitespace_pattern, self.whitespace_pattern is None,
+               "None: xgrammar has no whitespace pattern; disable_any_whitespace=True gives JSON without any")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
+
 
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
@@ -33,6 +88,8 @@ class SamplingParams:
     bad_words: words never to generate, as vLLM: each word's tokens, with and without a leading space, are
         banned as a sequence: its last token is masked when the tokens before it were just generated (a
         one-token word always is). A string is one word.
+    structured_outputs: None, or a StructuredOutputsParams constraining the output (JSON schema, regex, choice,
+        grammar); refused with ignore_eos or min_tokens, which would force tokens the constraint may not allow.
     skip_special_tokens: leave special tokens out of the output text.
     include_stop_str_in_output: keep the stop string at the end of the output text.
     """
@@ -54,6 +111,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     bad_words: list[str] | str | None = field(default_factory=list)
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _checked: bool = field(default=False, init=False, repr=False, compare=False)
@@ -118,6 +176,14 @@ class SamplingParams:
                "a string, a list of strings with more than leading whitespace, or None")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
+        _check("structured_outputs", self.structured_outputs, self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams), "None or a StructuredOutputsParams")
+        if self.structured_outputs is not None:
+            # either would make the sampler emit a token the constraint masked, or find every token masked
+            for name, value, off in (("ignore_eos", self.ignore_eos, False), ("min_tokens", self.min_tokens, 0)):
+                if value != off:
+                    raise ValueError(f"SamplingParams.{name}={value!r} cannot be combined with structured_outputs "
+                                     f"(the constraint decides where the output ends): leave it at {off!r}")
 
     @classmethod
     def from_generation_config(cls, model_dir: str) -> "SamplingParams":
@@ -147,4 +213,5 @@ def _integer(value) -> bool:
 
 def _check(name: str, value, ok: bool, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name}={value!r} is out of range: allowed {allowed}")
+        owner = "" if "." in name else "SamplingParams."
+        raise ValueError(f"{owner}{name}={value!r} is out of range: allowed {allowed}")

@@ -15,7 +15,7 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.progress import ProgressBar, TokenCounter
 from nanovllm.engine.prompt_logprobs import prompt_rows
 from nanovllm.engine.prompts import Prompt, broadcast_params, parse_prompt, parse_prompts
-from nanovllm.engine.requests import RequestBuilder
+from nanovllm.engine.requests import HeldRequests, RequestBuilder
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.spawn_guard import check_main_guard
@@ -182,6 +182,7 @@ class LLMEngine:
         params = broadcast_params(sampling_params, len(parsed))
         numbered = enumerate(zip(parsed, params))
         requests = [(i, text, self.requests.make_samples(prompt, p, i)) for i, ((text, prompt), p) in numbered]
+        self.requests.check_grammars(samples for _, _, samples in requests)  # a spec that fails: before any work
         outputs = dict(self._stream(iter(requests), max(1, len(requests)), len(requests), use_tqdm))
         return [outputs[i] for i in range(len(requests))]
 
@@ -203,7 +204,7 @@ class LLMEngine:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = itertools.repeat(sampling_params or SamplingParams())
         requests = self._validated(prompts, sampling_params, errors == "yield")
-        return self._stream(requests, window or 2 * self.config.max_num_seqs, None, use_tqdm)
+        return self._stream(requests, window or 2 * self.config.max_num_seqs, None, use_tqdm, errors == "yield")
 
     def chat_prompt(self, conversation: list[dict], chat_template_kwargs: dict | None = None, *,
                     chat_template: str | None = None, add_generation_prompt: bool = True,
@@ -236,8 +237,10 @@ class LLMEngine:
                 yield index, None, error
 
     def _stream(self, requests: Iterator[tuple[int, str | None, list[Sequence] | Exception]], window: int,
-                total: int | None, use_tqdm: bool) -> Iterator[tuple[int, RequestOutput | Exception]]:
-        """Keep up to `window` requests queued or running, step, and yield each as it finishes."""
+                total: int | None, use_tqdm: bool,
+                yield_errors: bool = False) -> Iterator[tuple[int, RequestOutput | Exception]]:
+        """Keep up to `window` requests queued or running, step, and yield each as it finishes. A request whose
+        grammar still compiles waits beside the scheduler (HeldRequests), so the running ones go on."""
         if self._lock_holder == threading.get_ident():
             raise RuntimeError("an iter_generate() of this engine is still open in this thread: exhaust it or call "
                                "its close() before the next call")
@@ -245,23 +248,33 @@ class LLMEngine:
             self._lock_holder = threading.get_ident()
             bar = ProgressBar(self.token_counter, total, "Processed prompts", disable=not use_tqdm)
             outstanding: dict[int, tuple[str | None, list[Sequence]]] = {}
+            held = HeldRequests()
             exhausted = False
             try:
                 while True:
-                    while not exhausted and len(outstanding) < window:
+                    while not exhausted and len(outstanding) + len(held) < window:
                         request = next(requests, None)
                         if request is None:
                             exhausted = True
                         elif isinstance(request[2], Exception):
                             yield request[0], request[2]
                         else:
-                            index, text, samples = request
                             self.startup.took_first_request()
-                            for seq in samples:
-                                self.scheduler.add(seq)
-                            outstanding[index] = text, samples
-                    if exhausted and not outstanding and self.is_finished():
+                            held.add(*request)
+                    for index, text, samples, error in held.ready():
+                        if error is not None:  # its grammar did not compile
+                            if not yield_errors:
+                                raise error
+                            yield index, error
+                            continue
+                        for seq in samples:
+                            self.scheduler.add(seq)
+                        outstanding[index] = text, samples
+                    if exhausted and not outstanding and not held and self.is_finished():
                         break
+                    if not outstanding and held:
+                        held.wait()
+                        continue
                     self.step()
                     done = [i for i, (_, samples) in outstanding.items() if all(map(_is_done, samples))]
                     for index in done:

@@ -283,7 +283,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states)
             if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
-            if self.rank == 0:
+            if self.rank == 0:  # structured outputs' mask: filled while the device runs the forward
+                sampling.grammar = self.sampler.grammar_mask(seqs, logits, lambda: dict(zip(
+                    [seq.seq_id for seq in previous.seqs], previous.result())))
                 output = self.sampler(logits, sampling)
                 token_ids, logprobs = output.token_ids, output.logprobs
             else:

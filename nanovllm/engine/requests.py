@@ -1,5 +1,7 @@
 """One prompt and its SamplingParams -> validated Sequences, before anything is scheduled."""
-from dataclasses import dataclass, replace
+from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass, field, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -7,6 +9,7 @@ from nanovllm.config import Config
 from nanovllm.engine.prompts import samples_of
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling.bad_words import bad_words_token_ids
+from nanovllm.sampling.grammar import GrammarCompiler, GrammarState
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -15,6 +18,7 @@ class RequestBuilder:
     config: Config
     tokenizer: PreTrainedTokenizerBase
     num_blocks: int  # of the KV cache: a prompt that needs more can never run
+    grammars: GrammarCompiler | None = field(default=None, init=False)  # made at the first constrained request
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +72,58 @@ class RequestBuilder:
 
     def make_samples(self, prompt: str | list[int], params: SamplingParams, index: int | None = None) -> list[Sequence]:
         """The params.n requests of one prompt; the others fork the first one's prompt KV (see Scheduler)."""
+        compiled = None
+        if params.structured_outputs is not None:  # compiled beside the engine's thread; one matcher per sample
+            compiled = self.grammar_compiler().submit(params.structured_outputs)
+            # the grammar ends at the tokenizer's EOS too: the request must stop there even where the model's
+            # config does not list it
+            extra = [t for t in self.grammars.stop_token_ids if t not in self.config.eos_token_ids
+                     and t not in params.stop_token_ids]
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, *extra]) if extra else params
         first, *others = [self.make_sequence(prompt, sample, index) for sample in samples_of(params)]
         for seq in others:
             seq.prompt_owner = first
+        for seq in (first, *others) if compiled is not None else ():
+            seq.grammar = GrammarState(compiled)
         return [first, *others]
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self.grammars is None:
+            # the grammar may end wherever the engine stops: the tokenizer's EOS and generation_config's
+            eos = self.tokenizer.eos_token_id
+            stop = {*self.config.eos_token_ids, *([eos] if isinstance(eos, int) and eos < self.vocab_size else [])}
+            self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(stop))
+        return self.grammars
+
+    @staticmethod
+    def check_grammars(requests: Iterable[list[Sequence]]) -> None:
+        """Wait for the requests' grammars to compile; the first that does not is a ValueError naming why."""
+        for samples in requests:
+            if samples[0].grammar is not None and (error := samples[0].grammar.error()) is not None:
+                raise error
+
+
+class HeldRequests:
+    """Requests on their way to the scheduler: one whose grammar still compiles waits here, the rest pass at once."""
+
+    def __init__(self) -> None:
+        self.waiting: list[tuple[int, str | None, list[Sequence]]] = []
+
+    def __len__(self) -> int:
+        return len(self.waiting)
+
+    def add(self, index: int, text: str | None, samples: list[Sequence]) -> None:
+        self.waiting.append((index, text, samples))
+
+    def ready(self) -> list[tuple[int, str | None, list[Sequence], BaseException | None]]:
+        """The requests free to go, in arrival order, each with the error its grammar raised (or None)."""
+        ready, still = [], []
+        for request in self.waiting:
+            grammar = request[2][0].grammar
+            (ready if grammar is None or grammar.compiled.done() else still).append(request)
+        self.waiting = still
+        return [(i, text, samples, samples[0].grammar and samples[0].grammar.error()) for i, text, samples in ready]
+
+    def wait(self) -> None:
+        """Until one more grammar is compiled: nothing else can run meanwhile."""
+        wait([samples[0].grammar.compiled for _, _, samples in self.waiting], return_when=FIRST_COMPLETED)

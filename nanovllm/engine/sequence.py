@@ -2,6 +2,7 @@ from enum import Enum, auto
 from itertools import count
 
 from nanovllm.outputs import Logprob
+from nanovllm.sampling.grammar import GrammarState
 from nanovllm.sampling.rows import PENDING as PENDING  # the engine imports it from here
 from nanovllm.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Sequence:
         # one entry per prompt token after the first, when params.prompt_logprobs is set (engine/prompt_logprobs.py)
         self.prompt_logprobs: list[dict[int, Logprob]] = []
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized (sampling/bad_words.py)
+        self.grammar: GrammarState | None = None  # params.structured_outputs (sampling/grammar.py)
         self._shipped_token_ids: list[int] = []
 
     def __len__(self) -> int:

@@ -5,6 +5,7 @@ from typing import Protocol
 
 import numpy as np
 
+from nanovllm.sampling.grammar import GrammarState
 from nanovllm.sampling_params import SamplingParams
 
 # a sampled token the host has not read back yet: with async scheduling a step is prepared while the one before
@@ -18,6 +19,7 @@ class SamplingRow(Protocol):
     token_ids: list[int]  # the prompt, then the tokens generated so far (the newest may be PENDING)
     num_prompt_tokens: int
     bad_words_token_ids: list[list[int]]  # params.bad_words as token sequences
+    grammar: GrammarState | None  # params.structured_outputs, compiled, and its matcher
 
     def __len__(self) -> int: ...
 

@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from collections.abc import Sequence as Rows
 from dataclasses import dataclass
 
@@ -8,6 +9,7 @@ from torch import nn
 from nanovllm.outputs import Logprob
 from nanovllm.sampling.bad_words import BadWordsMask, bad_words_mask
 from nanovllm.sampling.floors import logit_floors
+from nanovllm.sampling.grammar_mask import GrammarMasks, StepMask
 from nanovllm.sampling.gumbel_max import gumbel_max_sample
 from nanovllm.sampling.penalties import PenaltyHistories, PenaltyTensors, has_penalties
 from nanovllm.sampling.rows import SamplingRow, aligned_rows
@@ -32,6 +34,7 @@ class SamplingTensors:
     logprobs_per_row: list[int | None] | None = None  # each row's own k (None: num_logprobs for every row)
     penalties: PenaltyTensors | None = None  # applied to the logits first
     bad_words: BadWordsMask | None = None  # applied after the penalties (sampling/bad_words.py)
+    grammar: StepMask | None = None  # structured outputs: applied before anything else, in place
 
     @property
     def filtered(self) -> bool:
@@ -110,6 +113,7 @@ class Sampler(nn.Module):
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
         self.penalty_histories = PenaltyHistories(device)
         self.top_p_by_sort = False  # top-p without top-k by a sort of the row, not the GPU's search (A/B runs)
+        self.grammar_masks: GrammarMasks | None = None  # made at the first constrained step
 
     def reseed(self, seed: int | None) -> None:
         """Restart the stream: from `seed`, or from fresh entropy when None."""
@@ -158,7 +162,23 @@ class Sampler(nn.Module):
         tensors.num_logprobs = max(wanted) if wanted else None
         return tensors
 
+    def grammar_mask(self, seqs: list[SamplingRow], logits: torch.Tensor,
+                     pending_tokens: Callable[[], dict[int, int]]) -> StepMask | None:
+        """The structured-output mask of a step whose forward is launched (sampling/grammar_mask.py), or None
+        when no row is constrained. pending_tokens(): the step in flight's tokens by seq_id."""
+        if all(seq.grammar is None for seq in seqs):
+            return None
+        masks = self.grammar_masks
+        if masks is None or len(seqs) > masks.max_rows or logits.size(1) != masks.vocab_size:
+            if masks is not None and logits.is_cuda:
+                torch.cuda.synchronize()  # no copy from the old buffers may still be queued
+            self.grammar_masks = masks = GrammarMasks(logits.size(1), max(256, len(seqs)), logits.device,
+                                                      list(self.eos_token_ids))
+        return masks.fill(seqs, pending_tokens)
+
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
+        if params.grammar is not None:  # so logprobs, as vLLM's, are of the constrained distribution
+            params.grammar.apply(logits)
         model_logits = logits
         if params.penalties is not None:
             logits = params.penalties.apply(logits)
