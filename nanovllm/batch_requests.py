@@ -5,7 +5,7 @@ A body field that would change the result and that is not supported is an error 
 from nanovllm.batch_io import LineError
 from nanovllm.engine.chat import normalize_message
 from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # body field -> SamplingParams field, for fields both endpoints take as they are
@@ -14,13 +14,14 @@ SAMPLING_FIELDS = {name: name for name in (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "skip_special_tokens",
     "include_stop_str_in_output")}
 IGNORED_FIELDS = {"model", "user"}  # they name things; the result does not depend on them
-OWN_FIELDS = {COMPLETIONS: {"prompt", "max_tokens", "logprobs"},
+STRUCTURED_FIELDS = {"response_format", "structured_outputs"}  # OpenAI's and vLLM's extra body field
+OWN_FIELDS = {COMPLETIONS: {"prompt", "max_tokens", "logprobs", *STRUCTURED_FIELDS},
               CHAT: {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-                     "chat_template_kwargs"}}
+                     "chat_template_kwargs", *STRUCTURED_FIELDS}}
 # fields we do not support, accepted only at the value that changes nothing
 NEUTRAL_VALUES = {"stream": (None, False), "stream_options": (None,), "echo": (None, False), "suffix": (None, ""),
-                  "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
-                  "response_format": (None, {"type": "text"})}
+                  "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none")}
+
 
 def check_fields(body: dict, url: str) -> None:
     """Refuse a body field we do not support unless its value changes nothing: never ignore one silently."""
@@ -47,8 +48,45 @@ def sampling_params(body: dict, url: str, defaults: dict, max_model_len: int, pr
             raise LineError("invalid_request", "top_logprobs needs logprobs: true")
         logprobs = (body.get("top_logprobs") or 0) if logprobs else None
     options["logprobs"] = logprobs
+    options["structured_outputs"] = structured_outputs(body)
     try:
         return SamplingParams(**options)
+    except (ValueError, TypeError) as error:
+        raise LineError("invalid_request", str(error)) from None
+
+
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """OpenAI's response_format (json_schema, json_object; text: none) or vLLM's structured_outputs field."""
+    response_format, fields = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and fields is not None:
+        raise LineError("invalid_request", "give response_format or structured_outputs, not both")
+    if fields is not None:
+        if not isinstance(fields, dict):
+            raise LineError("invalid_request", f"structured_outputs must be an object, got {fields!r}")
+        unknown = sorted(set(fields) - set(StructuredOutputsParams.__dataclass_fields__))
+        if unknown:
+            raise LineError("unsupported_parameter", f"structured_outputs field {unknown[0]!r} is not supported")
+        return _structured(**fields)
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _structured(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise LineError("invalid_request", "response_format json_schema needs a json_schema object with a "
+                                               "schema object")
+        return _structured(json=spec["schema"])
+    raise LineError("invalid_request", f"response_format must have type text, json_object or json_schema, got "
+                                       f"{response_format!r}")
+
+
+def _structured(**fields) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
     except (ValueError, TypeError) as error:
         raise LineError("invalid_request", str(error)) from None
 

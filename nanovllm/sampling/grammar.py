@@ -107,5 +107,5 @@ class GrammarState:
 
     def start(self, xgr: Any) -> Any:
         if self.matcher is None:
-            self.matcher = xgr.GrammarMatcher(self.compiled.result(), max_rollback_tokens=0)
+            self.matcher = xgr.GrammarMatcher(self.compiled.result())
         return self.matcher

@@ -14,9 +14,10 @@ import torch
 
 from nanovllm.sampling.grammar import GrammarState, import_xgrammar
 from nanovllm.sampling.rows import PENDING, SamplingRow
+from nanovllm.utils.device import allowed_cpu_cores
 
 logger = logging.getLogger(__name__)
-FILL_THREADS = 8
+FILL_THREADS = min(8, allowed_cpu_cores())
 
 
 @dataclass

@@ -82,14 +82,15 @@ SHAPE_NAMES = sorted(SHAPES) + sorted(name + FP8_SUFFIX for name in SHAPES)
 SHARD_BYTES = 4 << 30  # large checkpoints are written in shards of about this size, with an index
 
 
-def model_config(shape: str, **overrides) -> dict:
+def model_config(shape: str, vocab_padding: int = 0, **overrides) -> dict:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
     dims = dict(SHAPES[shape])
     config = dict(**FAMILIES[dims.pop("family")], **COMMON)
     config.update(dims)
     config.update(overrides)
-    num_regular = num_regular_tokens(config["vocab_size"])  # the specials sit above the regular tokens
+    # the specials sit above the regular tokens; a padded vocabulary's last rows are no token at all
+    num_regular = num_regular_tokens(config["vocab_size"] - vocab_padding)
     return {"bos_token_id": num_regular, "eos_token_id": num_regular + 2, "pad_token_id": num_regular, **config}
 
 
@@ -171,7 +172,8 @@ def save_sharded(weights, path: str) -> None:
 
 
 def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = None, seed: int = 0,
-                            fp8: bool = False, overwrite: bool = False, **config_overrides) -> str:
+                            fp8: bool = False, overwrite: bool = False, vocab_padding: int = 0,
+                            **config_overrides) -> str:
     """Write a random-weight checkpoint of `shape` to `path` (created if needed) and return the path.
     config.json is written last: its presence means the checkpoint is complete. If writing fails, a folder this
     call created is removed again.
@@ -181,11 +183,14 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
 
     A folder that already holds a checkpoint (config.json or weight files) is refused with FileExistsError, so a
     real model's folder given by mistake keeps its weights; overwrite=True first removes its config and weight
-    files. The files written get the umask's mode; other files in the folder are left as they are."""
+    files. The files written get the umask's mode; other files in the folder are left as they are.
+
+    vocab_padding: the model's vocabulary has this many rows past the tokenizer's last token, as real checkpoints
+    pad theirs (Qwen3: 151,936 rows for 151,669 tokens)."""
     from nanovllm.utils.quantized_checkpoint import fp8_quantization_config, to_fp8_checkpoint
 
     shape, fp8_shape = split_fp8_shape(shape)
-    config = model_config(shape, **config_overrides)  # an unknown shape fails here, before anything is created
+    config = model_config(shape, vocab_padding, **config_overrides)  # an unknown shape fails here, before anything is created
     existing = existing_checkpoint_files(path)
     if existing and not overwrite:
         raise FileExistsError(f"{path} already holds a checkpoint ({', '.join(existing[:3])}"
@@ -205,7 +210,7 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
         eos = [config["eos_token_id"], config["bos_token_id"]]
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "do_sample": False}, f, indent=2)
-        write_tokenizer(path, config["vocab_size"])
+        write_tokenizer(path, config["vocab_size"] - vocab_padding)
         _readable_like_other_files(path, skip=others)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config, f, indent=2)

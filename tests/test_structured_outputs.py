@@ -1,0 +1,236 @@
+"""Structured outputs (xgrammar) on CPU: the spec's checks, outputs that parse and match their spec, greedy equal to
+transformers under the same mask, free rows untouched by constrained ones, and the engine's edges (compile errors
+before any work, padded vocabularies, whitespace bounds, one compile per distinct spec)."""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from hf_reference import assert_no_leaks
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.sampling.grammar import JSON_WHITESPACE_LIMIT, GrammarCompiler
+from nanovllm.sampling.grammar_mask import GrammarMasks
+from nanovllm.utils.random_checkpoint import write_random_checkpoint
+
+PADDING = 24  # model rows past the tokenizer's last token
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "ok", "color"], "additionalProperties": False}
+REGEX = r"[a-c]{2}-\d{1,3}"
+CHOICES = ["yes", "no", 'say "maybe"', "a\\b"]
+GRAMMAR = 'root ::= "(" [0-9]{1,4} ("+" [0-9]{1,4}){0,3} ")"'
+SPECS = {"json": StructuredOutputsParams(json=SCHEMA),
+         "json_text_compact": StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True),
+         "regex": StructuredOutputsParams(regex=REGEX), "choice": StructuredOutputsParams(choice=CHOICES),
+         "grammar": StructuredOutputsParams(grammar=GRAMMAR), "json_object": StructuredOutputsParams(json_object=True)}
+
+
+@pytest.fixture(scope="module")
+def padded_model(tmp_path_factory) -> str:
+    return write_random_checkpoint(str(tmp_path_factory.mktemp("qwen3-tiny-padded")), "tiny", seed=3,
+                                   vocab_padding=PADDING)
+
+
+@pytest.fixture(scope="module")
+def llm(padded_model):
+    with LLM(padded_model, num_kvcache_blocks=48, max_model_len=1024) as engine:
+        yield engine
+
+
+def check_matches(kind: str, text: str) -> None:
+    if kind.startswith("json") and kind != "json_object":
+        # strict=False: xgrammar lets a string with maxLength hold control characters, which strict JSON refuses
+        jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"\(\d{1,4}(\+\d{1,4}){0,3}\)", text), text
+
+
+def test_the_spec_is_checked_when_made():
+    from nanovllm.sampling_params import StructuredOutputsParams as same  # vLLM's module path too
+    assert same is StructuredOutputsParams
+    with pytest.raises(ValueError, match="exactly one of json, regex, choice, grammar, json_object; got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="got json and regex"):
+        StructuredOutputsParams(json=SCHEMA, regex="a")
+    with pytest.raises(ValueError, match=r"choice=\[\] is out of range"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="whitespace_pattern.*xgrammar has no whitespace pattern"):
+        StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?")
+    with pytest.raises(ValueError, match="json=3 is out of range"):
+        StructuredOutputsParams(json=3)
+    spec = StructuredOutputsParams(regex="a+")
+    for name, value in (("ignore_eos", True), ("min_tokens", 2)):
+        with pytest.raises(ValueError, match=f"SamplingParams.{name}={value!r} cannot be combined with "
+                                             f"structured_outputs"):
+            SamplingParams(structured_outputs=spec, **{name: value})
+    with pytest.raises(ValueError, match="structured_outputs='a' is out of range"):
+        SamplingParams(structured_outputs="a")
+
+
+def test_every_kind_parses_and_matches_its_spec_with_n_samples(llm):
+    kinds = list(SPECS)
+    params = [SamplingParams(temperature=1.0, seed=i, n=3, max_tokens=200, structured_outputs=SPECS[kind])
+              for i, kind in enumerate(kinds)]
+    outputs = llm.generate(["Give me data:"] * len(kinds), params, use_tqdm=False)
+    for kind, output in zip(kinds, outputs):
+        assert len(output.outputs) == 3
+        for sample in output.outputs:
+            if kind == "json_object" and sample.finish_reason == "length":
+                continue  # any object: a random model's strings need not end (the matcher test below covers it)
+            assert sample.finish_reason == "stop", (kind, sample.text)
+            check_matches(kind, sample.text)
+            assert all(t < llm.config.hf_config.vocab_size - PADDING for t in sample.token_ids)
+    compact = outputs[kinds.index("json_text_compact")].outputs[0].text
+    assert not re.search(r"\s", compact.replace(json.loads(compact, strict=False)["name"], "")), compact
+    assert_no_leaks(llm)
+
+
+def test_a_reply_cut_by_max_tokens_is_returned_as_it_is(llm):
+    out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=3,
+                                             structured_outputs=SPECS["json"]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3 and out.text.startswith("{")
+
+
+def hf_constrained_greedy(hf_model, tokenizer, vocab_size: int, prompt: list[int], spec, max_tokens: int) -> list[int]:
+    """transformers' model, xgrammar's mask applied by hand to each step's logits, argmax."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=[tokenizer.eos_token_id])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(spec, any_whitespace=True,
+                                                             max_whitespace_cnt=JSON_WHITESPACE_LIMIT)
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = hf_model(torch.tensor([ids])).logits[:, -1].float()
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        token = int(logits.argmax())
+        ids.append(token)
+        if token == tokenizer.eos_token_id:
+            break
+        assert matcher.accept_token(token)
+    return ids[len(prompt):]
+
+
+def test_constrained_greedy_equals_transformers_with_the_mask_by_hand(llm, padded_model):
+    hf_model = AutoModelForCausalLM.from_pretrained(padded_model).eval()
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    prompts = [[5, 17, 300], [900, 2, 44, 61, 7], [12]]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SPECS["json"])
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    with torch.no_grad():
+        theirs = [hf_constrained_greedy(hf_model, tokenizer, llm.config.hf_config.vocab_size, p, SCHEMA, 40)
+                  for p in prompts]
+    assert ours == theirs
+
+
+def test_free_rows_are_untouched_by_constrained_rows_through_preemption_chunks_and_prefix_hits(padded_model):
+    # a cache too small for every request at once (preemption), a prefill budget below the longest prompt
+    # (chunked prefill), and prompts that share a prefix (prefix-cache hits)
+    shared = list(range(40, 340))
+    free_prompts = [shared + [7, i] for i in range(4)] + [list(range(500, 780))]
+    free = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
+            SamplingParams(temperature=0.9, seed=11, max_tokens=48, ignore_eos=True, n=2)]
+    free_params = [free[i % 2] for i in range(len(free_prompts))]
+    options = dict(num_kvcache_blocks=14, kvcache_block_size=64, max_num_batched_tokens=256, max_model_len=1024)
+    with LLM(padded_model, **options) as alone:
+        expected = [[c.token_ids for c in o.outputs] for o in alone.generate(free_prompts, free_params,
+                                                                             use_tqdm=False)]
+    constrained = [SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=120, structured_outputs=spec)
+                   for i, spec in enumerate(SPECS.values())]
+    with LLM(padded_model, **options) as mixed:
+        preempted = []
+        original = mixed.scheduler._preempt
+        mixed.scheduler._preempt = lambda seq: (preempted.append(seq), original(seq))[1]
+        prompts = [p for pair in zip(free_prompts, [shared + [9, i] for i in range(5)]) for p in pair]
+        params = [p for pair in zip(free_params, constrained) for p in pair] + constrained[5:]
+        prompts += [shared + [1]] * (len(params) - len(prompts))
+        outputs = mixed.generate(prompts, params, use_tqdm=False)
+        assert preempted, "the cache was meant to be too small for every request at once"
+        assert [[c.token_ids for c in o.outputs] for o in outputs[0::2][:len(free_prompts)]] == expected
+        kinds = list(SPECS)
+        for i, output in enumerate([*outputs[1::2], *outputs[2 * len(free_prompts):]][:len(kinds)]):
+            for sample in output.outputs:
+                if sample.finish_reason == "stop":
+                    check_matches(kinds[i], sample.text)
+        assert_no_leaks(mixed)
+
+
+def test_a_spec_that_does_not_compile_fails_before_any_work_and_the_engine_goes_on(llm):
+    good = SamplingParams(temperature=0, max_tokens=4)
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(ab"))
+    generated = llm.token_counter.generated
+    with pytest.raises(ValueError, match="structured_outputs regex does not compile: Regex parsing error at "
+                                         "position 4: The parenthesis is not closed"):
+        llm.generate(["a", "b"], [good, bad], use_tqdm=False)
+    assert llm.token_counter.generated == generated  # nothing ran
+    assert llm.scheduler.is_finished()
+    bad_schema = SamplingParams(structured_outputs=StructuredOutputsParams(json='{"type": "object", '))
+    results = dict(llm.iter_generate(["a", "b", "c"], iter([good, bad_schema, good]), errors="yield"))
+    assert isinstance(results[1], ValueError) and "json does not compile: Failed to parse JSON" in str(results[1])
+    assert [len(results[i].outputs[0].token_ids) for i in (0, 2)] == [4, 4]
+    assert_no_leaks(llm)
+
+
+def test_identical_specs_compile_once_and_distinct_ones_apart(padded_model):
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    compiler = GrammarCompiler(tokenizer, 1024, [tokenizer.eos_token_id])
+    reordered = dict(reversed(list(SCHEMA.items())))
+    first = compiler.submit(StructuredOutputsParams(json=SCHEMA))
+    assert compiler.submit(StructuredOutputsParams(json=reordered)) is first
+    assert compiler.submit(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)) is not first
+    assert compiler.submit(StructuredOutputsParams(regex="a")) is not compiler.submit(StructuredOutputsParams(
+        regex="b"))
+    compiler.close()
+
+
+def test_json_whitespace_is_bounded_and_compact_has_none(padded_model):
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    compiler = GrammarCompiler(tokenizer, 1024, [tokenizer.eos_token_id])
+
+    def accepts(spec: StructuredOutputsParams, text: str) -> bool:
+        return xgr.GrammarMatcher(compiler.submit(spec).result()).accept_string(text)
+
+    loose, compact = SPECS["json"], StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    assert accepts(loose, "{" + " " * JSON_WHITESPACE_LIMIT + '"name"')
+    assert not accepts(loose, "{" + " " * (JSON_WHITESPACE_LIMIT + 1) + '"name"')
+    assert accepts(compact, '{"name":"ab","age":3')
+    assert not accepts(compact, '{ "name"') and not accepts(compact, '{"name": "ab"')
+    any_object = StructuredOutputsParams(json_object=True)
+    assert accepts(any_object, '{"k": [1, {"x": null}], "other": "v"}') and accepts(any_object, "{}")
+    assert not accepts(any_object, "[1]") and not accepts(any_object, '"text"')
+    compiler.close()
+
+
+def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    vocab = 1024
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+
+    class Row:  # what the mask reads of a request (sampling/rows.py)
+        def __init__(self, seq_id, grammar):
+            self.seq_id, self.grammar, self.completion_token_ids = seq_id, grammar, []
+
+    from nanovllm.sampling.grammar import GrammarState
+    rows = [Row(0, None), Row(1, GrammarState(compiler.submit(StructuredOutputsParams(choice=["yes", "no"])))),
+            Row(2, None)]
+    mask = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id]).fill(rows, lambda: {})
+    logits = torch.zeros(3, vocab)
+    logits[:, vocab - PADDING:] = 100.0  # padded rows a random head may well favour
+    mask.apply(logits)
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed == sorted({tokenizer.encode(w)[0] for w in ("yes", "no")})
+    assert torch.equal(logits[0], logits[2]) and torch.isfinite(logits[0]).all()
+    compiler.close()
