@@ -234,3 +234,30 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     assert allowed == sorted({tokenizer.encode(w)[0] for w in ("yes", "no")})
     assert torch.equal(logits[0], logits[2]) and torch.isfinite(logits[0]).all()
     compiler.close()
+
+
+@pytest.mark.gpu
+def test_gpu_mask_in_pinned_buffers_leaves_free_rows_and_constrains_the_rest(small_model):
+    """The device path: pinned buffers in turn, a constrained subset scattered by row, CUDA-graph decode with
+    async scheduling; free rows give the tokens they give alone."""
+    prompts = [[1000 + 37 * i + j for j in range(20 + 9 * i)] for i in range(12)]
+    free = SamplingParams(temperature=0.7, seed=5, max_tokens=64, ignore_eos=True)
+    with LLM(small_model, max_model_len=1024) as llm:
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts[0::2], free, use_tqdm=False)]
+        kinds = list(SPECS)
+        params = [free if i % 2 == 0 else SamplingParams(temperature=0.7, seed=i, max_tokens=200,
+                                                         structured_outputs=SPECS[kinds[(i // 2) % len(kinds)]])
+                  for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs[0::2]] == alone
+        for i, output in enumerate(outputs[1::2]):
+            sample = output.outputs[0]
+            if sample.finish_reason == "stop":
+                check_matches(kinds[i % len(kinds)], sample.text)
+            else:
+                assert kinds[i % len(kinds)] == "json_object", sample.text
+        every = llm.generate(prompts[:6], [SamplingParams(temperature=0, max_tokens=300, structured_outputs=SPECS[
+            "json"])] * 6, use_tqdm=False)  # every row constrained: the compact buffer as it is
+        for output in every:
+            check_matches("json", output.outputs[0].text)
+        assert_no_leaks(llm)

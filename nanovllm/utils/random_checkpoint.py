@@ -190,7 +190,8 @@ def write_random_checkpoint(path: str, shape: str = "tiny", std: float | None = 
     from nanovllm.utils.quantized_checkpoint import fp8_quantization_config, to_fp8_checkpoint
 
     shape, fp8_shape = split_fp8_shape(shape)
-    config = model_config(shape, vocab_padding, **config_overrides)  # an unknown shape fails here, before anything is created
+    # an unknown shape fails here, before anything is created
+    config = model_config(shape, vocab_padding, **config_overrides)
     existing = existing_checkpoint_files(path)
     if existing and not overwrite:
         raise FileExistsError(f"{path} already holds a checkpoint ({', '.join(existing[:3])}"
