@@ -226,7 +226,8 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     from nanovllm.sampling.grammar import GrammarState
     rows = [Row(0, None), Row(1, GrammarState(compiler.submit(StructuredOutputsParams(choice=["yes", "no"])))),
             Row(2, None)]
-    mask = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id]).fill(rows, lambda: {})
+    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    mask = masks.finish(masks.start(rows, lambda: {}))
     logits = torch.zeros(3, vocab)
     logits[:, vocab - PADDING:] = 100.0  # padded rows a random head may well favour
     mask.apply(logits)

@@ -146,6 +146,7 @@ class LLMEngine:
         self.token_counter.count(step)  # before advance, which appends the slots of the tokens it samples
         self.scheduler.advance(step)
         self._complete(previous)
+        self.model_runner.finish(step)  # sampling that waited for a structured-output mask, filled meanwhile
         if self.config.async_scheduling:
             self.in_flight = step
         else:

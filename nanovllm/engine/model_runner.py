@@ -1,5 +1,6 @@
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -9,6 +10,7 @@ from nanovllm.attention import KVCacheLayout, make_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import CUDAGraphs
 from nanovllm.engine.first_requests import first_request_settings, prefill_sequence, sample_decode_steps
+from nanovllm.engine.kv_budget import blocks_that_fit
 from nanovllm.engine.model_inputs import InputBuilder
 from nanovllm.engine.prompt_logprobs import score_prompts
 from nanovllm.engine.sequence import Sequence
@@ -28,7 +30,7 @@ from nanovllm.quantization import (
     prepare_fp8,
     quantization_settings,
 )
-from nanovllm.sampling.sampler import Sampler
+from nanovllm.sampling.sampler import Sampler, SamplingTensors
 from nanovllm.utils.context import reset_context
 from nanovllm.utils.device import available_cpu_memory, cap_cpu_threads
 from nanovllm.utils.loader import load_model
@@ -206,30 +208,6 @@ class ModelRunner:
         if self.rank == 0:
             logger.info(line)
 
-    def num_blocks_from_memory(self, block_bytes: int) -> int:
-        config = self.config
-        if self.use_cuda:
-            free, total = torch.cuda.mem_get_info()
-            used = total - free
-            stats = torch.cuda.memory_stats()
-            peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-            budget = int(total * config.gpu_memory_utilization) - used - peak + current
-            where = (f"GPU total {total / 2**30:.2f} GiB x gpu_memory_utilization {config.gpu_memory_utilization}"
-                     f" - used {used / 2**30:.2f} GiB - activation peak {(peak - current) / 2**30:.2f} GiB")
-        else:
-            available = available_cpu_memory()
-            budget = int(available * config.gpu_memory_utilization) // 4
-            where = f"a quarter of available CPU memory {available / 2**30:.2f} GiB x {config.gpu_memory_utilization}"
-            # more blocks than every sequence at max_model_len could use would only cost memory
-            max_useful = config.max_num_seqs * -(-config.max_model_len // self.block_size)
-            budget = min(budget, max_useful * block_bytes)
-        num_blocks = budget // block_bytes
-        if num_blocks <= 0:
-            raise RuntimeError(f"KV cache budget of {budget / 2**20:.1f} MiB ({where}) holds no block of "
-                               f"{block_bytes / 2**20:.1f} MiB; raise gpu_memory_utilization or lower "
-                               f"kvcache_block_size/max_num_batched_tokens")
-        return num_blocks
-
     def allocate_kv_cache(self) -> None:
         block_bytes = self.kv_layout.block_bytes
         if self.config.num_kvcache_blocks > 0:
@@ -241,7 +219,7 @@ class ModelRunner:
                                  f"{free / 2**30:.2f} GiB of {self.device.type} memory is free: at most "
                                  f"{free // block_bytes} blocks of {block_bytes / 2**20:.1f} MiB fit")
         else:
-            self.num_kvcache_blocks = self.num_blocks_from_memory(block_bytes)
+            self.num_kvcache_blocks = blocks_that_fit(self.config, self.use_cuda, block_bytes)
         # every rank must agree, or block ids would mean different slots
         n = self.tp.all_reduce(torch.tensor([self.num_kvcache_blocks], device=self.device), dist.ReduceOp.MIN)
         self.num_kvcache_blocks = int(n.item())
@@ -283,18 +261,34 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states)
             if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
-            if self.rank == 0:  # structured outputs' mask: filled while the device runs the forward
-                sampling.grammar = self.sampler.grammar_mask(seqs, logits, lambda: dict(zip(
-                    [seq.seq_id for seq in previous.seqs], previous.result())))
-                output = self.sampler(logits, sampling)
-                token_ids, logprobs = output.token_ids, output.logprobs
-            else:
-                token_ids, logprobs = torch.empty(len(seqs), dtype=torch.int64, device=self.device), None
-            self.tp.broadcast_from_first(token_ids)
+            # structured outputs: the mask is filled in a thread while the device runs the forward and the engine
+            # completes the step before; sampling waits for it in finish()
+            mask = self.sampler.grammar_mask(seqs, logits, lambda: dict(zip(
+                [seq.seq_id for seq in previous.seqs], previous.result()))) if self.rank == 0 else None
         finally:
             reset_context()
+        step.sample = lambda: self._sample(step, logits, sampling, mask)
+        if mask is None:
+            self.finish(step)
+        return step
+
+    @torch.inference_mode()
+    def finish(self, step: Step) -> None:
+        """Sample a launched step whose sampling waits for its structured-output mask, if it does."""
+        if step.sample is not None:
+            sample, step.sample = step.sample, None
+            sample()
+
+    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, mask: Future | None):
+        if self.rank == 0:
+            if mask is not None:
+                sampling.grammar = self.sampler.finish_grammar_mask(mask)
+            output = self.sampler(logits, sampling)
+            token_ids, logprobs = output.token_ids, output.logprobs
+        else:
+            token_ids, logprobs = torch.empty(len(step.seqs), dtype=torch.int64, device=self.device), None
+        self.tp.broadcast_from_first(token_ids)
         if self.rank == 0:
             step.copy_to_host(token_ids, logprobs)
         else:
             step.token_ids = token_ids
-        return step

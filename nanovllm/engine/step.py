@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ class Step:
     # scores (rank 0)
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: PromptScores | None = None
+    # launched but not sampled yet: the sampler waits for a structured-output mask (ModelRunner.finish runs it)
+    sample: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] | None = None,

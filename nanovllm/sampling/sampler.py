@@ -1,5 +1,6 @@
 from collections.abc import Callable
 from collections.abc import Sequence as Rows
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,9 +164,9 @@ class Sampler(nn.Module):
         return tensors
 
     def grammar_mask(self, seqs: list[SamplingRow], logits: torch.Tensor,
-                     pending_tokens: Callable[[], dict[int, int]]) -> StepMask | None:
-        """The structured-output mask of a step whose forward is launched (sampling/grammar_mask.py), or None
-        when no row is constrained. pending_tokens(): the step in flight's tokens by seq_id."""
+                     pending_tokens: Callable[[], dict[int, int]]) -> Future | None:
+        """Start the structured-output mask of a step whose forward is launched (sampling/grammar_mask.py), or None
+        when no row is constrained; `finish_grammar_mask` it. pending_tokens(): the step in flight's by seq_id."""
         if all(seq.grammar is None for seq in seqs):
             return None
         masks = self.grammar_masks
@@ -174,7 +175,10 @@ class Sampler(nn.Module):
                 torch.cuda.synchronize()  # no copy from the old buffers may still be queued
             self.grammar_masks = masks = GrammarMasks(logits.size(1), max(256, len(seqs)), logits.device,
                                                       list(self.eos_token_ids))
-        return masks.fill(seqs, pending_tokens)
+        return masks.start(seqs, pending_tokens)
+
+    def finish_grammar_mask(self, filled: Future) -> StepMask:
+        return self.grammar_masks.finish(filled)
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         if params.grammar is not None:  # so logprobs, as vLLM's, are of the constrained distribution
