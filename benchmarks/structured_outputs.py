@@ -8,7 +8,7 @@ then the same number of requests unconstrained with each request's output length
 (ignore_eos), so both runs generate the same tokens' worth of work. Round 1 is the process's first run (cold:
 xgrammar's tokenizer tables, compiles and its mask kernel's first launch); the table gives it apart and the median
 of the later rounds (warm). --schemas N gives request i schema i mod N (field names differ per schema). Also
-reports each schema's compile time on its own. Writes the table to $OUT/structured_<shape>_<schemas>.md when OUT
+reports each schema's compile time on its own. Writes the table to $OUT/structured_<shape>_<schemas>_<strings>.md when OUT
 is set. Random weights (benchmarks never load a hub): the outputs are valid JSON of random content.
 """
 import argparse
@@ -22,21 +22,29 @@ from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.sampling.grammar import GrammarCompiler
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
 
-def schema(index: int) -> dict:
-    """Ten fields of the kinds extraction jobs ask for, each bounded so a random model's answer ends."""
+
+def schema(index: int, strings: str = "bounded") -> dict:
+    """Ten fields of the kinds extraction jobs ask for, each bounded so a random model's answer ends. strings:
+    "bounded" gives free-text fields a maxLength (xgrammar's costliest masks: each length left is a state of its
+    own), "enum" makes them enums (closed sets, cheap masks)."""
     tag = f"_{index}" if index else ""
+
+    def text(most: int) -> dict:
+        return {"type": "string", "maxLength": most} if strings == "bounded" else {"enum": WORDS}
+
     fields = {
         f"id{tag}": {"type": "integer", "minimum": 0, "maximum": 999999},
-        f"name{tag}": {"type": "string", "maxLength": 24},
-        f"email{tag}": {"type": "string", "maxLength": 32},
+        f"name{tag}": text(24),
+        f"email{tag}": text(32),
         f"age{tag}": {"type": "integer", "minimum": 0, "maximum": 120},
         f"score{tag}": {"type": "number", "minimum": 0, "maximum": 100},
         f"active{tag}": {"type": "boolean"},
         f"country{tag}": {"enum": ["US", "DE", "FR", "JP", "CN", "IN", "BR", "GB"]},
         f"plan{tag}": {"enum": ["free", "pro", "team", "enterprise"]},
-        f"tags{tag}": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
-        f"note{tag}": {"type": "string", "maxLength": 40},
+        f"tags{tag}": {"type": "array", "items": text(10), "maxItems": 3},
+        f"note{tag}": text(40),
     }
     return {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
 
@@ -55,6 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="Qwen3-0.6B")
     parser.add_argument("--schemas", type=int, default=1)
+    parser.add_argument("--strings", choices=["bounded", "enum"], default="bounded",
+                        help="free-text fields with a maxLength, or as enums (see schema())")
     parser.add_argument("--requests", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=512)
@@ -62,7 +72,8 @@ def main() -> None:
     args = parser.parse_args()
     llm = LLM(default_checkpoint(args.shape), max_num_seqs=args.max_num_seqs, max_model_len=1024)
     max_id = llm.config.hf_config.vocab_size - 1000  # ordinary tokens, below the specials
-    specs = [StructuredOutputsParams(json=schema(i), disable_any_whitespace=True) for i in range(args.schemas)]
+    specs = [StructuredOutputsParams(json=schema(i, args.strings), disable_any_whitespace=True)
+             for i in range(args.schemas)]
     rng = Random(0)
     rows = []
     for round_number in range(args.rounds):
@@ -100,7 +111,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"structured_{args.shape}_{args.schemas}.md"), "w") as f:
+        name = f"structured_{args.shape}_{args.schemas}_{args.strings}.md"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             f.write(text + "\n")
 
 
