@@ -8,8 +8,8 @@ then the same number of requests unconstrained with each request's output length
 (ignore_eos), so both runs generate the same tokens' worth of work. Round 1 is the process's first run (cold:
 xgrammar's tokenizer tables, compiles and its mask kernel's first launch); the table gives it apart and the median
 of the later rounds (warm). --schemas N gives request i schema i mod N (field names differ per schema). Also
-reports each schema's compile time on its own. Writes the table to $OUT/structured_<shape>_<schemas>_<strings>.md when OUT
-is set. Random weights (benchmarks never load a hub): the outputs are valid JSON of random content.
+reports each schema's compile time on its own. Writes the table to $OUT/structured_<shape>_<schemas>_<strings>.md
+when OUT is set. Random weights (benchmarks never load a hub): the outputs are valid JSON of random content.
 """
 import argparse
 import json
