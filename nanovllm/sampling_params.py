@@ -2,13 +2,17 @@ import json
 import os
 from dataclasses import dataclass, field
 
+# vLLM's bound on n (its VLLM_MAX_N_SEQUENCES default): each sample is a sequence made before any work, so an
+# absurd n would stall the caller while it filled memory rather than fail
+MAX_N = 16384
+
 
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
     """How one request is sampled and when it stops: vLLM's SamplingParams, keyword-only, with vLLM's names and
     defaults for the fields it has. Every field is checked when set, at construction or later.
 
-    n: how many completions to sample for the prompt (they share its prefill through the prefix cache).
+    n: how many completions to sample for the prompt, at most 16384 as in vLLM (they share its prefill).
     presence_penalty: subtracted from the logit of every token already in the output ([-2, 2], 0: off).
     frequency_penalty: subtracted once per occurrence of a token in the output ([-2, 2], 0: off).
     repetition_penalty: divides positive logits and multiplies negative ones of every token in the prompt or
@@ -85,7 +89,7 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", [])
         elif isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", [self.bad_words])
-        _check("n", self.n, _integer(self.n) and self.n >= 1, "a positive integer")
+        _check("n", self.n, _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]")
         _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]")
         _check("frequency_penalty", self.frequency_penalty, -2.0 <= _number(self.frequency_penalty) <= 2.0,
                "[-2, 2]")
