@@ -1,4 +1,5 @@
-"""The files of `nanovllm run-batch`: reading the JSONL input, writing result records, and resuming.
+"""The files of `nanovllm run-batch`: reading the JSONL input, the result records, and resuming (the output file
+while a run holds and appends to it is batch_output.py).
 
 Resume guarantee: a record counts as written only once its whole line, newline included, is in the output file.
 Each record is written with one write() of the line plus its newline, so a kill (even SIGKILL) can leave at most
@@ -14,7 +15,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import BinaryIO
 
 from nanovllm.id_set import IdSet, digest
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -156,62 +156,6 @@ def drop_torn(path: str, torn: Torn) -> None:
     """Truncate the torn last line that read_output() found, so the next record starts on a line of its own."""
     with open(path, "r+b") as f:
         f.truncate(torn.offset)
-
-
-def check_writable(path: str) -> None:
-    """Raise OSError, naming the problem, where records could not be appended to `path`; creates nothing, so a
-    run that cannot start leaves no output file behind."""
-    if os.path.exists(path):
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path!r} is a directory")
-        if not os.access(path, os.W_OK):
-            raise PermissionError(f"{path!r} is not writable")
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"the folder {folder!r} of {path!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create {path!r}: the folder {folder!r} is not writable")
-
-
-class OutputWriter:
-    """Appends records to the output file, one write() per record; fsync when `fsync_every` s have passed.
-
-    The file is opened (created) at the first record, so a run that stops before it has any result, such as an
-    engine that fails to start, leaves no empty output file behind."""
-
-    def __init__(self, path: str, fsync_every: float = 1.0) -> None:
-        self.path = path
-        self._file: BinaryIO | None = None
-        self._fsync_every = fsync_every
-        self._last_sync = time.monotonic()
-
-    def write(self, record: dict) -> None:
-        if self._file is None:
-            # unbuffered: each record reaches the OS in one write call, never split across buffer flushes
-            self._file = open(self.path, "ab", buffering=0)
-        # allow_nan=False: a NaN or infinity would make a line that strict JSON readers reject
-        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
-        try:
-            data = memoryview(line.encode("utf-8"))
-        except UnicodeEncodeError:  # a lone surrogate from the input (JSON's "\\ud800") echoed in an id or message
-            data = memoryview((json.dumps(record, allow_nan=False) + "\n").encode("ascii"))  # JSON escapes it
-        while data:  # a regular file takes it all at once; the loop only guards against a short write
-            data = data[self._file.write(data):]
-        if time.monotonic() - self._last_sync >= self._fsync_every:
-            os.fsync(self._file.fileno())
-            self._last_sync = time.monotonic()
-
-    def close(self) -> None:
-        if self._file is not None and not self._file.closed:
-            os.fsync(self._file.fileno())
-            self._file.close()
-
-    def __enter__(self) -> "OutputWriter":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def success_record(custom_id: str, body: dict) -> dict:
