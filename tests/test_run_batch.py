@@ -208,7 +208,7 @@ def test_read_output_finds_a_torn_last_line_and_drop_torn_truncates_only_it(tmp_
     good = [batch_io.success_record("a", {}), batch_io.error_record(None, 7, "invalid_json", "bad")]
     complete = "".join(json.dumps(r) + "\n" for r in good)
     for torn in ['{"id": "batch_req_1", "custom_id": "b", "resp', json.dumps(batch_io.success_record("b", {})),
-                 "not json at all\n"]:  # cut mid-record; whole but without its newline; complete but not JSON
+                 "not json at all"]:  # cut mid-record; whole but without its newline; no JSON and no newline
         path.write_text(complete + torn)
         done = batch_io.read_output(str(path))
         assert path.read_text() == complete + torn  # reading changes nothing
@@ -218,9 +218,15 @@ def test_read_output_finds_a_torn_last_line_and_drop_torn_truncates_only_it(tmp_
         assert "a" in done.ids and len(done.ids) == 1 and done.lines == {7}
         assert done.has("a", 1) and done.has(None, 7) and not done.has("b", 2)
     assert batch_io.read_output(str(path)).torn is None
-    path.write_text(complete + "garbage\n" + complete)  # not what a kill leaves: refuse rather than drop data
-    with pytest.raises(ValueError, match="line 3"):
-        batch_io.read_output(str(path))
+    # a whole line (newline and all) that is not a record is not what a kill leaves, at the end or in the middle:
+    # refused rather than dropped as if torn
+    for garbage in ("garbage\n", '{"half": "a record"\n', "[1, 2]\n"):
+        for after in ("", complete):  # the end first: the case once dropped as torn
+            path.write_text(complete + garbage + after)
+            with pytest.raises(ValueError) as caught:
+                batch_io.read_output(str(path))
+            assert str(caught.value) == (f"{path}: line 3 is not a valid JSON record, and not a torn last write "
+                                         f"(that has no newline), so fix or remove that line by hand")
     missing = batch_io.read_output(str(tmp_path / "missing.jsonl"))
     assert len(missing.ids) == 0 and not missing.lines and missing.torn is None
 
