@@ -100,7 +100,7 @@ class SamplingParams:
                "-1, 0 (off) or a positive integer below 2**63")
         _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
         _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
-        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer")
+        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer in [-2**63, 2**63)")
         unbounded = self.max_tokens is None  # up to max_model_len: resolved per request by the engine
         _check("max_tokens", self.max_tokens, unbounded or (_integer(self.max_tokens) and self.max_tokens >= 1),
                "None (up to max_model_len) or an integer >= 1")

@@ -107,6 +107,7 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
                 url="/v1/chat/completions"),
         request("bad-param", {**ok, "temperature": -1}),
         request("absurd-n", {**ok, "n": 10**9}),  # refused before a sample is made, not a stalled run
+        request("huge-seed", {**ok, "seed": 2**64}),
         request("bad-chat-logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3},
                 url="/v1/chat/completions"),
         request("too-long", {**ok, "prompt": list(range(1, 600))}),
@@ -125,13 +126,15 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
     results = by_id(out)
     codes = {cid: r["error"]["code"] for cid, r in results.items() if r["error"] is not None and cid is not None}
     assert codes == {"bad-url": "invalid_url", "unsupported": "unsupported_parameter", "tools": "unsupported_parameter",
-                     "bad-param": "invalid_request", "absurd-n": "invalid_request",
+                     "bad-param": "invalid_request", "absurd-n": "invalid_request", "huge-seed": "invalid_request",
                      "bad-chat-logprobs": "invalid_request",
                      "too-long": "prompt_too_long", "too-long-text": "prompt_too_long",
                      "outside-vocab": "invalid_request", "stop-outside-vocab": "invalid_request"}
     assert "temperature" in results["bad-param"]["error"]["message"]
     assert results["absurd-n"]["error"]["message"] == ("line 10: SamplingParams.n=1000000000 is out of range: "
                                                        "allowed an integer in [1, 16384]")
+    assert results["huge-seed"]["error"]["message"] == ("line 11: SamplingParams.seed=18446744073709551616 is out of "
+                                                        "range: allowed None or an integer in [-2**63, 2**63)")
     assert "logit_bias" in results["unsupported"]["error"]["message"]
     id_less = sorted((r["error"]["code"], r["error"]["message"].split(":")[0]) for r in found if r["custom_id"] is None)
     assert id_less == [("invalid_json", "line 2"), ("invalid_json", "line 4"), ("invalid_json", "line 5"),
