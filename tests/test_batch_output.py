@@ -31,7 +31,7 @@ def test_a_second_writer_is_refused_by_name_before_the_model_loads(tiny_model, t
         assert "cannot start the engine" not in err and out.read_bytes() == b""
     finally:
         holder.kill()
-        holder.wait()
+        holder.communicate()
     assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     assert sorted(by_id(out)) == [f"r{i}" for i in range(5)]
 
@@ -54,6 +54,8 @@ def test_a_forked_process_does_not_keep_the_lock(tmp_path):
     finally:
         os.write(write, b"x")
         os.waitpid(child, 0)
+        os.close(read)
+        os.close(write)
 
 
 class FullDisk:
