@@ -37,25 +37,29 @@ def test_a_second_writer_is_refused_by_name_before_the_model_loads(tiny_model, t
 
 
 def test_a_forked_process_does_not_keep_the_lock(tmp_path):
-    path = str(tmp_path / "out.jsonl")
-    output = batch_output.OutputFile(path)
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b"")  # there before the run: kept when it ends
+    output = batch_output.OutputFile(str(path))
     read, write = os.pipe()
+    ready_read, ready_write = os.pipe()
     with warnings.catch_warnings():  # the test process has threads; the child only waits and exits
         warnings.simplefilter("ignore", DeprecationWarning)
         child = os.fork()
     if child == 0:
+        os.write(ready_write, b"r")  # past the fork (and its handlers)
         os.read(read, 1)  # alive, sharing the parent's open files, until the parent says
         os._exit(0)
     try:
+        assert os.read(ready_read, 1) == b"r"
         output.release()
-        assert not os.path.exists(path)  # created by this run and left empty: removed
-        again = batch_output.OutputFile(path)  # the child's copy of the descriptor holds no lock
+        again = batch_output.OutputFile(str(path))  # the child's copy of the descriptor holds no lock
         again.release()
+        assert path.exists()
     finally:
         os.write(write, b"x")
         os.waitpid(child, 0)
-        os.close(read)
-        os.close(write)
+        for fd in (read, write, ready_read, ready_write):
+            os.close(fd)
 
 
 class FullDisk:
