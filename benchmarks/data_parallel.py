@@ -25,7 +25,7 @@ STARTED = time.perf_counter()  # gpu's budget counts from here: the checkpoint's
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nanovllm import batch_io, run_batch  # noqa: E402
+from nanovllm import batch_output, run_batch  # noqa: E402
 from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanovllm.utils.random_checkpoint import default_checkpoint  # noqa: E402
 
@@ -176,18 +176,18 @@ def time_driver(inp: str, out: str, model: str, flags: list[str]) -> tuple[float
     """Requests/s from the first record to the last, by the clock and by the driver process's CPU time (all its
     threads): the second is what one core of its own would give, whatever else shares this machine's cores."""
     times: list[tuple[float, float]] = []
-    write = batch_io.OutputWriter.write
+    write = batch_output.OutputWriter.write
 
     def timed(self, record, write=write, times=times):
         write(self, record)
         times.append((time.perf_counter(), time.process_time()))
 
-    batch_io.OutputWriter.write = timed  # first to last record: replica startup is not the driver's
+    batch_output.OutputWriter.write = timed  # first to last record: replica startup is not the driver's
     try:
         argv = ["run-batch", "-i", inp, "-o", out, "--model", model, *flags]
         assert run_batch.run(run_batch.build_parser().parse_args(argv), engine_class=InstantEngine) == 0
     finally:
-        batch_io.OutputWriter.write = write
+        batch_output.OutputWriter.write = write
     (wall_first, cpu_first), (wall_last, cpu_last) = times[0], times[-1]
     return (len(times) - 1) / (wall_last - wall_first), (len(times) - 1) / (cpu_last - cpu_first)
 

@@ -1,11 +1,13 @@
-"""The files of `nanovllm run-batch`: reading the JSONL input, writing result records, and resuming.
+"""The files of `nanovllm run-batch`: reading the JSONL input, the result records, and resuming (the output file
+while a run holds and appends to it is batch_output.py).
 
 Resume guarantee: a record counts as written only once its whole line, newline included, is in the output file.
 Each record is written with one write() of the line plus its newline, so a kill (even SIGKILL) can leave at most
-one torn line, the last; read_output() finds it (or a last line that is not valid JSON) and drop_torn() truncates
-it away before anything is appended. A killed process loses nothing it wrote (the OS holds it); against an OS
-crash, records are fsync'ed with the first write a second or more after the last fsync, and when the run ends, so
-a crash loses at most the records since the last fsync, which the next run recomputes.
+one torn line, the last, and it has no newline; read_output() finds it and drop_torn() truncates it away before
+anything is appended. A line with its newline that is not a record was not torn by a kill, wherever it is. A
+killed process loses nothing it wrote (the OS holds it); against an OS crash, records are fsync'ed with the first
+write a second or more after the last fsync, and when the run ends, so a crash loses at most the records since
+the last fsync, which the next run recomputes.
 """
 import json
 import os
@@ -14,7 +16,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import BinaryIO
 
 from nanovllm.id_set import IdSet, digest
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -99,7 +100,7 @@ def scan_input(path: str) -> InputScan:
 
 @dataclass
 class Torn:
-    """An output's last line that an interrupted write left behind: no newline, or not a JSON record."""
+    """An output's last line that an interrupted write left behind: one without its newline."""
 
     line: int  # 1-based
     offset: int  # where it starts: the file is truncated to this length before anything is appended
@@ -122,33 +123,32 @@ def read_output(path: str) -> Done:
     """What an earlier run wrote to `path`, read without changing it; a missing file is an empty one.
 
     A last line without its newline is torn (a record's newline is written with it, so no newline means the
-    write did not finish), even where its text happens to be valid JSON; so is a last line that is not a JSON
-    record. drop_torn() removes it once work starts. An invalid line elsewhere cannot come from a kill, so it is
-    a ValueError rather than data silently thrown away."""
+    write did not finish), even where its text happens to be valid JSON; drop_torn() removes it once work starts.
+    A whole line (newline and all) that is not a JSON record cannot come from a kill, at the end as anywhere
+    else, so it is a ValueError rather than data silently thrown away."""
     done = Done()
     if not os.path.exists(path):
         return done
     good_end = 0  # the offset just past the last complete, valid record
-    bad: Torn | None = None  # an invalid line, allowed only at the end
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
-            if bad is not None:
-                raise ValueError(f"{path}: line {bad.line} is not a valid JSON record but more lines follow it; "
-                                 f"this is not a torn last write, so fix or remove that line by hand")
+            whole = raw.endswith(b"\n")  # only the file's last line can lack it
             try:
-                record = json.loads(raw) if raw.endswith(b"\n") else None
+                record = json.loads(raw) if whole else None
             except ValueError:  # JSONDecodeError or UnicodeDecodeError
                 record = None
             if raw.strip() and not isinstance(record, dict):
-                bad = Torn(number, good_end, len(raw))
-                continue
+                if whole:
+                    raise ValueError(f"{path}: line {number} is not a valid JSON record, and not a torn last write "
+                                     f"(that has no newline), so fix or remove that line by hand")
+                done.torn = Torn(number, good_end, len(raw))
+                break
             good_end += len(raw)
             if isinstance(record, dict):
                 if isinstance(record.get("custom_id"), str):
                     done.ids.add(record["custom_id"])
                 elif isinstance(record.get("error"), dict) and isinstance(record["error"].get("line"), int):
                     done.lines.add(record["error"]["line"])
-    done.torn = bad
     return done
 
 
@@ -156,62 +156,6 @@ def drop_torn(path: str, torn: Torn) -> None:
     """Truncate the torn last line that read_output() found, so the next record starts on a line of its own."""
     with open(path, "r+b") as f:
         f.truncate(torn.offset)
-
-
-def check_writable(path: str) -> None:
-    """Raise OSError, naming the problem, where records could not be appended to `path`; creates nothing, so a
-    run that cannot start leaves no output file behind."""
-    if os.path.exists(path):
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path!r} is a directory")
-        if not os.access(path, os.W_OK):
-            raise PermissionError(f"{path!r} is not writable")
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(f"the folder {folder!r} of {path!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create {path!r}: the folder {folder!r} is not writable")
-
-
-class OutputWriter:
-    """Appends records to the output file, one write() per record; fsync when `fsync_every` s have passed.
-
-    The file is opened (created) at the first record, so a run that stops before it has any result, such as an
-    engine that fails to start, leaves no empty output file behind."""
-
-    def __init__(self, path: str, fsync_every: float = 1.0) -> None:
-        self.path = path
-        self._file: BinaryIO | None = None
-        self._fsync_every = fsync_every
-        self._last_sync = time.monotonic()
-
-    def write(self, record: dict) -> None:
-        if self._file is None:
-            # unbuffered: each record reaches the OS in one write call, never split across buffer flushes
-            self._file = open(self.path, "ab", buffering=0)
-        # allow_nan=False: a NaN or infinity would make a line that strict JSON readers reject
-        line = json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
-        try:
-            data = memoryview(line.encode("utf-8"))
-        except UnicodeEncodeError:  # a lone surrogate from the input (JSON's "\\ud800") echoed in an id or message
-            data = memoryview((json.dumps(record, allow_nan=False) + "\n").encode("ascii"))  # JSON escapes it
-        while data:  # a regular file takes it all at once; the loop only guards against a short write
-            data = data[self._file.write(data):]
-        if time.monotonic() - self._last_sync >= self._fsync_every:
-            os.fsync(self._file.fileno())
-            self._last_sync = time.monotonic()
-
-    def close(self) -> None:
-        if self._file is not None and not self._file.closed:
-            os.fsync(self._file.fileno())
-            self._file.close()
-
-    def __enter__(self) -> "OutputWriter":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def success_record(custom_id: str, body: dict) -> dict:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from nanovllm import batch_io
 from nanovllm.batch_io import Done
+from nanovllm.batch_output import OutputBusy, OutputFile, check_writable
 from nanovllm.data_parallel.processes import visible_gpus, why_not_fork
 from nanovllm.engine_flags import engine_options
 
@@ -26,6 +27,7 @@ class BatchStart:
     done: Done  # what the output file holds already
     skipped: int  # requests answered by an earlier run
     todo: int  # requests left to answer
+    output: OutputFile  # held (locked) for the whole run: release() it at the end
     launched: "LaunchedReplicas | None" = None  # where replicas were launched before the engine's import
 
 
@@ -42,13 +44,20 @@ def check_files(args: argparse.Namespace) -> BatchStart | int:
     if scan.duplicates:  # before any work or output: a resumed run could not tell such requests apart
         named = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates.items())
         return fail(f"duplicate custom_id(s) in {args.input_file}: {named}")
-    try:
+    try:  # before the model: a bad path, or another run writing the output, fails in a second
+        check_writable(args.output_file)  # names a bad path before anything is created
+        output = OutputFile(args.output_file)
+    except OutputBusy as error:
+        return fail(str(error))
+    except OSError as error:
+        return fail(f"cannot resume from or write the output: {error}")
+    try:  # under the lock: no other run appends while the answered ids are read
         done = batch_io.read_output(args.output_file)
-        batch_io.check_writable(args.output_file)  # before the model: a bad path fails in a second
     except (OSError, ValueError) as error:
+        output.release()
         return fail(f"cannot resume from or write the output: {error}")
     skipped = scan.ids.count_in(done.ids) + sum(line in done.lines for line in scan.id_less_lines)
-    return BatchStart(began, done, skipped, scan.total - skipped)
+    return BatchStart(began, done, skipped, scan.total - skipped, output)
 
 
 def start(args: argparse.Namespace) -> BatchStart | int:
@@ -69,6 +78,7 @@ def start(args: argparse.Namespace) -> BatchStart | int:
         started.launched = launch_replicas(args.model, args.data_parallel_size, args.data_parallel_backend,
                                            engine_options(args))
     except (OSError, ValueError, ImportError) as error:  # more replicas than GPUs, Ray not installed
+        started.output.release()
         return fail(f"cannot start the engine: {type(error).__name__}: {error}")
     return started
 

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the engine took its first request: run() answers those after
         return fail("interrupted before any request was answered", code=130)
     finally:
+        started.output.release()  # run() has, unless it never ran
         if started.launched is not None:  # replicas the engine never took over (it takes them, then stops them)
             started.launched.close()
 

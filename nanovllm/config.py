@@ -75,8 +75,10 @@ class Config:
         if not _is_int(self.num_kvcache_blocks) or self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
             raise ValueError(f"num_kvcache_blocks must be -1 (size from memory) or a positive integer, "
                              f"got {self.num_kvcache_blocks!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        # torch.Generator.manual_seed's range: a larger integer is an overflow deep in start-up, after the weights
+        if self.seed is not None and not (_is_int(self.seed) and -2**63 <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64) (what torch.Generator takes), "
+                             f"got {self.seed!r}")
         for name in ("enforce_eager", "async_scheduling", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from nanovllm import batch_io
 from nanovllm.batch_io import Done, LineError
+from nanovllm.batch_output import OutputWriter, WriteFailed
 from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
 from nanovllm.batch_start import BatchStart, check_files, fail, say, serial
 from nanovllm.cli import build_parser, main  # noqa: F401  (run_batch.main and build_parser, as before)
@@ -108,6 +109,13 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     started = started or check_files(args)
     if isinstance(started, int):
         return started
+    try:
+        return _run(args, llm, engine_class, started)
+    finally:  # the lock goes, and the output too where this run created it and wrote nothing
+        started.output.release()
+
+
+def _run(args: argparse.Namespace, llm: LLM | None, engine_class: type, started: BatchStart) -> int:
     done, todo, launched = started.done, started.todo, started.launched
     stats = Stats(skipped=started.skipped)
     engine = None
@@ -126,18 +134,22 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
         say(f"{args.output_file}: dropped its last line, line {torn.line} ({torn.size} bytes): a record an "
             f"interrupted run did not finish writing")
     if engine is not None:
-        with batch_io.OutputWriter(args.output_file) as out:  # created at the first record
-            try:
-                _generate(args, engine, out, done, todo, stats)
-            except KeyboardInterrupt:  # every finished result is on disk already
-                return fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the same "
-                            f"command again to resume", code=130)
-            except ReplicasLost as error:  # as above: what was answered is on disk
-                return fail(f"{error}; {stats.succeeded + stats.failed} of {todo} requests were answered; "
-                            f"run the same command again to resume")
-            finally:
-                if llm is None:
-                    engine.exit()
+        try:
+            with OutputWriter(started.output) as out:
+                try:
+                    _generate(args, engine, out, done, todo, stats)
+                except KeyboardInterrupt:  # every finished result is on disk already
+                    return fail(f"interrupted after {stats.succeeded + stats.failed} of {todo} requests; run the "
+                                f"same command again to resume", code=130)
+                except ReplicasLost as error:  # as above: what was answered is on disk
+                    return fail(f"{error}; {stats.succeeded + stats.failed} of {todo} requests were answered; "
+                                f"run the same command again to resume")
+                finally:
+                    if llm is None:
+                        engine.exit()
+        except WriteFailed as error:  # the records before it are whole; a torn one is dropped by the next run
+            return fail(f"{error}; free some space (or fix the error) and run the same command again to resume: "
+                        f"it answers only the requests not yet in the output")
         if isinstance(engine, DataParallel):
             stats.per_replica = engine.answered
         if llm is None:  # where this process's start-up went, up to the first request (engine/startup.py)
@@ -149,7 +161,7 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     return 0
 
 
-def _generate(args: argparse.Namespace, llm: LLM, out: batch_io.OutputWriter, done: Done, todo: int,
+def _generate(args: argparse.Namespace, llm: LLM, out: OutputWriter, done: Done, todo: int,
               stats: Stats) -> None:
     # the engine counts its tokens at every step, so the rates move before the first request finishes; replicas
     # of data parallelism count in their own processes, so there the driver counts finished requests instead

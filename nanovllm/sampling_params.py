@@ -2,6 +2,9 @@ import json
 import os
 from dataclasses import dataclass, field
 
+# vLLM's bound on n (its VLLM_MAX_N_SEQUENCES default): each sample is a sequence made before any work, so an
+# absurd n would stall the caller while it filled memory rather than fail
+MAX_N = 16384
 # StructuredOutputsParams' kinds: exactly one is set
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -63,7 +66,7 @@ class SamplingParams:
     """How one request is sampled and when it stops: vLLM's SamplingParams, keyword-only, with vLLM's names and
     defaults for the fields it has. Every field is checked when set, at construction or later.
 
-    n: how many completions to sample for the prompt (they share its prefill through the prefix cache).
+    n: how many completions to sample for the prompt, at most 16384 as in vLLM (they share its prefill).
     presence_penalty: subtracted from the logit of every token already in the output ([-2, 2], 0: off).
     frequency_penalty: subtracted once per occurrence of a token in the output ([-2, 2], 0: off).
     repetition_penalty: divides positive logits and multiplies negative ones of every token in the prompt or
@@ -143,7 +146,7 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", [])
         elif isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", [self.bad_words])
-        _check("n", self.n, _integer(self.n) and self.n >= 1, "a positive integer")
+        _check("n", self.n, _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]")
         _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]")
         _check("frequency_penalty", self.frequency_penalty, -2.0 <= _number(self.frequency_penalty) <= 2.0,
                "[-2, 2]")
@@ -154,7 +157,7 @@ class SamplingParams:
                "-1, 0 (off) or a positive integer below 2**63")
         _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
         _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
-        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer")
+        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer in [-2**63, 2**63)")
         unbounded = self.max_tokens is None  # up to max_model_len: resolved per request by the engine
         _check("max_tokens", self.max_tokens, unbounded or (_integer(self.max_tokens) and self.max_tokens >= 1),
                "None (up to max_model_len) or an integer >= 1")

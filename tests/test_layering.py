@@ -38,6 +38,7 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("api", ("nanovllm", "nanovllm.llm")),
     ("data_parallel", ("nanovllm.data_parallel",)),
     ("cli", ("nanovllm.cli", "nanovllm.run_batch", "nanovllm.batch_start", "nanovllm.__main__", "nanovllm.batch_io",
+             "nanovllm.batch_output",
              "nanovllm.batch_requests", "nanovllm.engine_flags", "nanovllm.id_set", "nanovllm.utils.random_checkpoint",
              "nanovllm.utils.random_tokenizer", "nanovllm.utils.quantized_checkpoint")),
 ]

@@ -147,6 +147,17 @@ def test_integers_beyond_64_bits_are_refused(field):
         SamplingParams(**{field: value})
 
 
+def test_an_absurd_n_is_refused_before_any_sample_is_made():
+    # n=10**9 used to build a billion SamplingParams (samples_of) before the first step, growing memory for minutes
+    with pytest.raises(ValueError) as caught:
+        SamplingParams(n=10**9)
+    assert str(caught.value) == "SamplingParams.n=1000000000 is out of range: allowed an integer in [1, 16384]"
+    params = SamplingParams(n=16384)  # vLLM's bound itself is allowed
+    with pytest.raises(ValueError, match=r"SamplingParams.n=16385 is out of range"):
+        params.n = 16385
+    assert params.n == 16384
+
+
 def test_top_k_above_the_vocabulary_means_all_tokens(llm):
     prompt = random_prompts([20], seed=7)
     sampled = [llm.generate(prompt, SamplingParams(temperature=1.0, seed=11, max_tokens=8, top_k=k, top_p=0.99),

@@ -106,6 +106,8 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
         request("tools", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
                 url="/v1/chat/completions"),
         request("bad-param", {**ok, "temperature": -1}),
+        request("absurd-n", {**ok, "n": 10**9}),  # refused before a sample is made, not a stalled run
+        request("huge-seed", {**ok, "seed": 2**64}),
         request("bad-chat-logprobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3},
                 url="/v1/chat/completions"),
         request("too-long", {**ok, "prompt": list(range(1, 600))}),
@@ -124,10 +126,15 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
     results = by_id(out)
     codes = {cid: r["error"]["code"] for cid, r in results.items() if r["error"] is not None and cid is not None}
     assert codes == {"bad-url": "invalid_url", "unsupported": "unsupported_parameter", "tools": "unsupported_parameter",
-                     "bad-param": "invalid_request", "bad-chat-logprobs": "invalid_request",
+                     "bad-param": "invalid_request", "absurd-n": "invalid_request", "huge-seed": "invalid_request",
+                     "bad-chat-logprobs": "invalid_request",
                      "too-long": "prompt_too_long", "too-long-text": "prompt_too_long",
                      "outside-vocab": "invalid_request", "stop-outside-vocab": "invalid_request"}
     assert "temperature" in results["bad-param"]["error"]["message"]
+    assert results["absurd-n"]["error"]["message"] == ("line 10: SamplingParams.n=1000000000 is out of range: "
+                                                       "allowed an integer in [1, 16384]")
+    assert results["huge-seed"]["error"]["message"] == ("line 11: SamplingParams.seed=18446744073709551616 is out of "
+                                                        "range: allowed None or an integer in [-2**63, 2**63)")
     assert "logit_bias" in results["unsupported"]["error"]["message"]
     id_less = sorted((r["error"]["code"], r["error"]["message"].split(":")[0]) for r in found if r["custom_id"] is None)
     assert id_less == [("invalid_json", "line 2"), ("invalid_json", "line 4"), ("invalid_json", "line 5"),
@@ -204,7 +211,7 @@ def test_read_output_finds_a_torn_last_line_and_drop_torn_truncates_only_it(tmp_
     good = [batch_io.success_record("a", {}), batch_io.error_record(None, 7, "invalid_json", "bad")]
     complete = "".join(json.dumps(r) + "\n" for r in good)
     for torn in ['{"id": "batch_req_1", "custom_id": "b", "resp', json.dumps(batch_io.success_record("b", {})),
-                 "not json at all\n"]:  # cut mid-record; whole but without its newline; complete but not JSON
+                 "not json at all"]:  # cut mid-record; whole but without its newline; no JSON and no newline
         path.write_text(complete + torn)
         done = batch_io.read_output(str(path))
         assert path.read_text() == complete + torn  # reading changes nothing
@@ -214,9 +221,15 @@ def test_read_output_finds_a_torn_last_line_and_drop_torn_truncates_only_it(tmp_
         assert "a" in done.ids and len(done.ids) == 1 and done.lines == {7}
         assert done.has("a", 1) and done.has(None, 7) and not done.has("b", 2)
     assert batch_io.read_output(str(path)).torn is None
-    path.write_text(complete + "garbage\n" + complete)  # not what a kill leaves: refuse rather than drop data
-    with pytest.raises(ValueError, match="line 3"):
-        batch_io.read_output(str(path))
+    # a whole line (newline and all) that is not a record is not what a kill leaves, at the end or in the middle:
+    # refused rather than dropped as if torn
+    for garbage in ("garbage\n", '{"half": "a record"\n', "[1, 2]\n"):
+        for after in ("", complete):  # the end first: the case once dropped as torn
+            path.write_text(complete + garbage + after)
+            with pytest.raises(ValueError) as caught:
+                batch_io.read_output(str(path))
+            assert str(caught.value) == (f"{path}: line 3 is not a valid JSON record, and not a torn last write "
+                                         f"(that has no newline), so fix or remove that line by hand")
     missing = batch_io.read_output(str(tmp_path / "missing.jsonl"))
     assert len(missing.ids) == 0 and not missing.lines and missing.torn is None
 

@@ -33,12 +33,22 @@ def test_dtype_names_as_vllm(tiny_model, value, expected):
 @pytest.mark.parametrize("option, value, message", [
     ("dtype", "int8", r"dtype='int8' is not supported: choose 'auto' \(the checkpoint's dtype\), one of \["),
     ("dtype", torch.int8, r"dtype=torch.int8 is not supported"),
-    ("seed", "0", r"seed must be None or an integer, got '0'"),
+    ("seed", "0", r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\) \(what torch.Generator takes\), "
+                  r"got '0'$"),
+    ("seed", 2**64, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\) \(what torch.Generator takes\), "
+                    r"got 18446744073709551616$"),
+    ("seed", -2**63 - 1, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\) .*, got -9223372036854775809$"),
     ("trust_remote_code", "yes", r"trust_remote_code must be True or False, got 'yes'"),
 ])
 def test_bad_engine_option_values_are_named(tiny_model, option, value, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_model, **{option: value})
+
+
+def test_every_seed_torch_takes_starts_an_engine(tiny_model):
+    for seed in (-2**63, 2**64 - 1):  # the ends of torch.Generator.manual_seed's range
+        with LLM(tiny_model, seed=seed, num_kvcache_blocks=8) as engine:
+            assert engine.model_runner.sampler.generator.initial_seed() == seed % 2**64
 
 
 def test_dtype_bfloat16_runs_the_model_in_bfloat16(tiny_model, hf_model, llm):

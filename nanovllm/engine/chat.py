@@ -1,5 +1,7 @@
 """Conversations -> prompt text through the tokenizer's chat template, as vLLM's LLM.chat; misuse is refused here,
 by index, before any work (transformers would iterate a string's characters, or render a message without a role)."""
+import json
+
 from transformers import PreTrainedTokenizerBase
 
 Conversation = list[dict]
@@ -48,7 +50,43 @@ def normalize_message(message: object, where: str = "message") -> dict:
     elif not isinstance(content, str):
         raise TypeError(f"{where} has content {content!r}: content is a string or a list of text parts "
                         f"({{'type': 'text', 'text': ...}})")
-    return {**message, "content": content}
+    normalized = {**message, "content": content}
+    normalized.pop("tool_calls", None)
+    calls = message.get("tool_calls")
+    # as vLLM: only an assistant's calls reach the template, and an empty list is no calls
+    if message["role"] == "assistant" and calls is not None and calls != []:
+        normalized["tool_calls"] = _tool_calls(calls, where)
+    return normalized
+
+
+def _tool_calls(calls: object, where: str) -> list[dict]:
+    """OpenAI's tool calls as vLLM hands them to the template: each function's `arguments`, a JSON string in
+    OpenAI's format, parsed into its object, so a template that writes it with `tojson` (Qwen2.5's, Llama 3.1's)
+    writes the object rather than a string of escaped JSON. The caller's dicts are left as they were."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} has tool_calls {calls!r}: tool_calls is a list of {{'type': 'function', "
+                         f"'function': {{'name': ..., 'arguments': ...}}}} objects")
+    parsed = []
+    for c, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise ValueError(f"tool call {c} of {where} is {call!r}, not a {{'type': 'function', 'function': "
+                             f"{{'name': ..., 'arguments': ...}}}} object")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"tool call {c} of {where} has type {call['type']!r}, which is not supported: "
+                             f"only 'function' calls are")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as error:
+                raise ValueError(f"tool call {c} of {where} has arguments that are not valid JSON ({error}): "
+                                 f"{arguments!r}") from None
+        elif arguments not in (None, "") and not isinstance(arguments, (dict, list)):
+            raise TypeError(f"tool call {c} of {where} has arguments {arguments!r}: a JSON string or an object")
+        # None, "" and JSON's null are no arguments, as vLLM reads them
+        parsed.append({**call, "function": {**function, "arguments": {} if arguments in (None, "") else arguments}})
+    return parsed
 
 
 TEXT_PARTS = {"text": "text", "input_text": "text", "refusal": "refusal"}  # part type -> its text's key, as vLLM
