@@ -1,5 +1,7 @@
 """Interrupts, impossible values, threads: the engine never leaks, never spins, and fails before any work."""
 import gc
+import os
+import subprocess
 import sys
 import threading
 import weakref
@@ -210,3 +212,35 @@ def test_exit_frees_the_kv_cache_while_the_runner_and_model_are_still_held(tiny_
     llm.exit()
     gc.collect()
     assert cache() is None and runner.model is None and model is not None
+
+
+@pytest.mark.slow  # a tensor-parallel engine in a process of its own
+def test_a_second_interrupt_during_exit_leaves_no_files(tiny_model, tmp_path):
+    """A data-parallel replica takes SIGTERM as its Ctrl-C; a second one landing in its engine's exit (here while
+    the tensor-parallel workers are joined) used to cut the clean-up short, leaving the workers' rendezvous folder
+    (nanovllm-store-*) and a leaked shared-memory segment. The interrupt now waits for the exit, then is raised."""
+    code = f"""
+import os, signal
+from nanovllm import LLM, SamplingParams
+from nanovllm.engine import tp_workers
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt
+signal.signal(signal.SIGTERM, interrupt)
+join = tp_workers.Workers.join
+def join_interrupted(self, timeout=30.0):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return join(self, timeout)
+llm = LLM({tiny_model!r}, tensor_parallel_size=2, num_kvcache_blocks=32, max_model_len=256)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+tp_workers.Workers.join = join_interrupted
+try:
+    llm.exit()
+except KeyboardInterrupt:
+    print("interrupted after the exit", flush=True)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0 and result.stdout == "interrupted after the exit\n", result.stderr[-3000:]
+    assert not list(tmp_path.glob("nanovllm-store-*")), list(tmp_path.iterdir())
+    assert "leaked" not in result.stderr, result.stderr[-3000:]

@@ -32,6 +32,9 @@ from .replica import DRAIN, Work
 
 BACKENDS = DATA_PARALLEL_BACKENDS
 POLL_S = 0.2  # the longest the driver waits for answers before it looks at liveness and its queue again
+# a replica not ready this long after its launch counts as lost (a process stuck for good in its start-up is alive,
+# and would be waited for forever): imports, weights, compiles and CUDA graphs take minutes at most
+STARTUP_S = 900.0
 
 
 class ReplicasLost(RuntimeError):
@@ -72,6 +75,7 @@ class DataParallel:
         if backend not in BACKENDS:
             raise ValueError(f"data-parallel backend must be one of {BACKENDS}, got {backend!r}")
         self._clean = False  # until a run ends well, exit() interrupts the replicas
+        self.launched_at = time.monotonic()  # for STARTUP_S
         if launched is not None:  # started by the caller before it imported the engine (launch.py)
             self.startup, self.replicas = launched.startup, launched.take()
             self.startup.lap("imports")
@@ -88,6 +92,7 @@ class DataParallel:
         # holds more than 7/8 of its credit, more than its engine's window of 2 x max_num_seqs
         self.refill = max(1, self.credit // 8)
         if launched is None:  # every replica at once, before the driver's own tokenizer: they all start meanwhile
+            self.launched_at = time.monotonic()
             self.replicas = start_replicas(backend, data_parallel_size, engine_class, model, engine_options, fork)
             self.startup.lap(launched_phase(self.replicas, backend))
         self.held = [Held(name) for name in self.replicas.names]
@@ -154,6 +159,11 @@ class DataParallel:
         for r, reason in self.replicas.lost().items():
             if self.held[r].alive:
                 self._lose(r, reason, retry)
+        if time.monotonic() - self.launched_at > STARTUP_S:
+            for r, held in enumerate(self.held):
+                if held.alive and held.startup is None:  # stopped at once: one stuck may not answer a stop
+                    self.replicas.kill(r)
+                    self._lose(r, f"not ready {STARTUP_S:g} s after its launch (driver.STARTUP_S); stopped", retry)
         return answers
 
     def _feed(self, requests: Iterator[Work], retry: deque[Work], exhausted: bool) -> bool:

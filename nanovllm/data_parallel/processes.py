@@ -1,7 +1,8 @@
 """Backend "mp": replicas as processes of this host, each on its own group of GPUs (or on CPU).
 
 Replicas are forked where the caller asks for it and it is safe: on Linux, from a process that runs no other Python
-thread and in which the CUDA driver has not been initialised (the driver counts GPUs through NVML only). A forked
+thread, in which the CUDA driver has not been initialised (the driver counts GPUs through NVML only), and where a
+forked child can run torch's intra-op thread pool (intra_op_pool_hangs). A forked
 replica starts with everything the driver imported, while a spawned one first imports torch, transformers and
 nanovllm again, seconds on the path to its first request. Elsewhere they are spawned.
 
@@ -13,23 +14,22 @@ thread in the replica moves incoming work into a local queue as it arrives, and 
 """
 import ctypes
 import os
-import queue
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from multiprocessing import connection, current_process, get_all_start_methods, get_context, resource_tracker
+from multiprocessing import connection, get_all_start_methods, get_context, resource_tracker
 from multiprocessing.process import BaseProcess
 
-from nanovllm.data_parallel.replica import STOP, engine_named, serve
+from nanovllm.data_parallel.replica import STOP
+from nanovllm.data_parallel.replica_process import INTERRUPTS, STOP_SIGNAL, check_devices, replica_main
+
+__all__ = ["INTERRUPTS", "JOIN_S", "STOP_SIGNAL", "ProcessReplicas", "check_devices", "visible_gpus", "why_not_fork"]
 
 JOIN_S = 30.0  # how long a replica gets to release its engine before it is killed
-# how the driver stops a replica at once (after a failure): the replica takes it as its Ctrl-C. Not SIGINT itself:
-# a driver started as a shell script's background job ignores SIGINT, and so would every replica it starts
-STOP_SIGNAL = signal.SIGTERM
-INTERRUPTS = {signal.SIGINT, STOP_SIGNAL}
+FORK_PROBE_S = 2.0  # a forked child's parallel region takes ~15 ms where the pool survives the fork (none hangs less)
 CUDA_ERROR_NOT_INITIALIZED = 3  # the CUDA driver's answer to a call before cuInit
 
 
@@ -88,19 +88,6 @@ def start_with_devices(process: BaseProcess, devices: str | None) -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def check_devices(devices: str | None, name: str) -> None:
-    """A replica given GPUs that this machine does not have stops with their names, before any engine work."""
-    if devices is None:
-        return
-    import torch
-
-    wanted = len(devices.split(","))
-    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if found < wanted:
-        raise RuntimeError(f"{name}: CUDA_VISIBLE_DEVICES={devices} names {wanted} GPU(s) but {found} can be "
-                           f"used: check the GPUs of this machine and the data/tensor parallel sizes")
-
-
 def start_method(fork: bool) -> str:
     """"fork" where asked for and safe here (Linux, no other Python thread that could hold a lock the replica
     needs, the CUDA driver not initialised in this process), else "spawn"."""
@@ -116,6 +103,34 @@ def why_not_fork() -> str:
     if cuda_driver_initialised():
         return "the CUDA driver is initialised in this process"
     return ""
+
+
+def intra_op_pool_hangs(threads: int) -> str:
+    """Why a child forked now could not run torch's intra-op thread pool at `threads` threads ("" where it could).
+    GNU OpenMP's pool is not fork-safe: once it has run here (the caller's own multi-threaded torch work, writing a
+    random checkpoint), a forked child's first parallel region waits forever for pool threads it does not have, at
+    0 s of CPU and deaf to signals. Nothing in the process says whether the pool has run (its threads are nameless
+    natives, beside BLAS's own), so a child is forked to try a parallel region, and given FORK_PROBE_S."""
+    if threads <= 1 or "torch" not in sys.modules:  # one thread runs no pool; without torch nothing has run it
+        return ""
+    import torch
+
+    began = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the child: only the probe, then out without any of the parent's clean-up
+        try:
+            torch.set_num_threads(threads)
+            torch.ones(threads * 65536).add_(1)  # more than one grain (32,768 elements) per thread: it runs parallel
+        finally:
+            os._exit(0)
+    while time.monotonic() - began < FORK_PROBE_S:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return ""
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return (f"torch's intra-op thread pool has run in this process, and a forked child running it at {threads} "
+            f"threads did not finish in {FORK_PROBE_S:g} s")
 
 
 @contextmanager
@@ -135,53 +150,6 @@ def interrupts_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _interrupt(signum: int, frame) -> None:
-    """STOP_SIGNAL's handler in a replica: whatever handles Ctrl-C at this moment handles it (the engine defers one
-    past a tensor-parallel step), and where Ctrl-C is ignored it still stops the replica."""
-    handler = signal.getsignal(signal.SIGINT)
-    if callable(handler):
-        handler(signal.SIGINT, frame)
-    else:
-        raise KeyboardInterrupt
-
-
-def _take_interrupts() -> None:
-    signal.signal(STOP_SIGNAL, _interrupt)
-    if hasattr(signal, "pthread_sigmask"):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, INTERRUPTS)
-
-
-def _replica_main(conn: connection.Connection, engine_class: type | str, model: str, options: dict,
-                  devices: str | None, threads: int | None, requested_at: float,
-                  drivers_ends: list[connection.Connection]) -> None:
-    for end in drivers_ends:  # a forked replica's copies of the driver's pipe ends (see the module's docstring)
-        end.close()
-    inbox: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        try:
-            while True:
-                for item in conn.recv():
-                    inbox.put(item)
-        except (EOFError, OSError):  # the driver is gone: finish up and exit
-            inbox.put(STOP)
-
-    try:  # the driver may stop a replica at any point of its start-up, imports included
-        try:  # interrupts are held back from the start (ProcessReplicas) until the imports are done
-            check_devices(devices, current_process().name)
-            if threads is not None:  # CPU replicas share the cores rather than each taking all of them
-                import torch
-
-                torch.set_num_threads(threads)
-            engine = engine_named(engine_class)
-        finally:
-            _take_interrupts()
-        threading.Thread(target=read, name="nanovllm-dp-reader", daemon=True).start()
-        serve(lambda: engine(model, **options), inbox, conn.send, requested_at)
-    except (BrokenPipeError, KeyboardInterrupt):  # the driver left or stopped us: not worth a traceback
-        pass
-
-
 class ProcessReplicas:
     """Starts the replica processes, all at once, and carries messages to and from them. fork: the caller allows
     forking them where it is safe (see the module's docstring)."""
@@ -196,6 +164,10 @@ class ProcessReplicas:
         threads = None
         if devices[0] is None and "OMP_NUM_THREADS" not in os.environ:
             threads = max(1, (os.cpu_count() or 1) // replicas)
+        if fork and not after:  # a forked replica runs torch at `threads`, else at the driver's own setting
+            import torch
+
+            self.spawn_reason = after = intra_op_pool_hangs(threads or torch.get_num_threads())
         self.start_method = "fork" if fork and not after else "spawn"
         ctx = get_context(self.start_method)
         self.conns: list[connection.Connection] = []
@@ -225,8 +197,9 @@ class ProcessReplicas:
         # not a daemon: daemonic processes may not start the engine's own tensor-parallel workers
         # a forked replica inherits the driver's ends of its own pipe and of the ones before it: it closes them
         drivers_ends = [*self.conns, parent] if self.start_method == "fork" else []
-        process = ctx.Process(target=_replica_main, name=f"nanovllm-dp-{r}",
-                              args=(child, engine_class, model, options, group, threads, time.time(), drivers_ends))
+        process = ctx.Process(target=replica_main, name=f"nanovllm-dp-{r}",
+                              args=(child, engine_class, model, options, group, threads, time.time(), drivers_ends,
+                                    os.getpid()))
         start_with_devices(process, group)
         child.close()  # so that the replica's death is end-of-file here
         self.conns.append(parent)
@@ -259,7 +232,7 @@ class ProcessReplicas:
             process = self.processes[r]
             process.join(timeout=5)
             code = process.exitcode
-            gone[r] = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else
+            gone[r] = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
                        f"exited with code {code}" if code is not None else "closed its pipe")
         return gone
 

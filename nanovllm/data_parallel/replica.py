@@ -59,7 +59,7 @@ def _serve(make_engine: Callable[[], object], inbox: queue.Queue, send: Callable
     try:
         engine = make_engine()
     except BaseException as error:
-        _try_send(send, ("error", f"the engine failed to start: {_describe(error)}"))
+        _tell(send, "the engine failed to start", error)
         raise
     startup.extend(getattr(engine, "startup", None))  # an engine that times its own start-up (LLM does)
     startup.set_ready()
@@ -96,17 +96,21 @@ def _session(engine, first: Work, inbox: queue.Queue, send: Callable[[tuple], No
         for local, output in engine.iter_generate(prompts(), params_in_step(), errors="yield"):
             send(("result", (index_of.pop(local), output)))
     except BaseException as error:
-        _try_send(send, ("error", f"generation failed: {_describe(error)}"))
+        _tell(send, "generation failed", error)
         raise
     return not stopped
 
 
-def _describe(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(error), error)).strip()
 
 
-def _try_send(send: Callable[[tuple], None], message: tuple) -> None:
+def _tell(send: Callable[[tuple], None], what: str, error: BaseException) -> None:
+    """Send the driver ("error", what and why). Not for an interrupt: the replica was stopped, and how it ends says
+    by what (a process ends by the signal, replica_process.py)."""
+    if isinstance(error, KeyboardInterrupt):
+        return
     try:
-        send(message)
+        send(("error", f"{what}: {describe_error(error)}"))
     except Exception:  # the driver is gone too: nobody left to tell
         pass

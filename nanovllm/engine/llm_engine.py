@@ -21,7 +21,7 @@ from nanovllm.engine.sequence import PENDING, Sequence
 from nanovllm.engine.spawn_guard import check_main_guard
 from nanovllm.engine.startup import StartupTimes, describe_engine
 from nanovllm.engine.step import Step
-from nanovllm.engine.tp_workers import Workers, deferred_interrupt
+from nanovllm.engine.tp_workers import Workers, deferred_interrupt, interrupts_deferred_in_exit
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tokenizer import load_tokenizer
@@ -94,14 +94,15 @@ class LLMEngine:
         self._exited = True
         atexit.unregister(self.exit)
         self.in_flight = None
-        try:
-            if self.workers is not None:
-                self.workers.tell_exit()
-            self.model_runner.exit()
-        finally:
-            del self.model_runner
-            if self.workers is not None:
-                self.workers.close()
+        with interrupts_deferred_in_exit():
+            try:
+                if self.workers is not None:
+                    self.workers.tell_exit()
+                self.model_runner.exit()
+            finally:
+                del self.model_runner
+                if self.workers is not None:
+                    self.workers.close()
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory

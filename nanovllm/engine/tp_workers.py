@@ -146,3 +146,26 @@ def deferred_interrupt():
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupts_deferred_in_exit():
+    """Hold SIGINT and SIGTERM, where Python handles them, until the block ends, then hand the first to its handler.
+    A second interrupt in an engine's exit (a data-parallel replica stopped twice, Ctrl-C pressed twice) would cut
+    its clean-up short and leave the workers' rendezvous folder and shared memory behind; the exit is bounded (the
+    workers get 30 s), so the interrupt waits for it. A signal left to its default action is not held."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can be set only there
+        yield
+        return
+    caught: list[tuple[int, object]] = []
+    held = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    held = {signum: handler for signum, handler in held.items() if callable(handler)}
+    for signum in held:
+        signal.signal(signum, lambda signum, frame: caught.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+    if caught:
+        held[caught[0][0]](*caught[0])
