@@ -4,7 +4,6 @@ before any work, padded vocabularies, whitespace bounds, one compile per distinc
 import json
 import re
 
-import jsonschema
 import pytest
 import torch
 import xgrammar as xgr
@@ -42,10 +41,18 @@ def llm(padded_model):
         yield engine
 
 
+def check_schema(value) -> None:
+    """SCHEMA's rules, checked by hand (no validator needed where the GPU tests run)."""
+    assert isinstance(value, dict) and set(value) == {"name", "age", "ok", "color"}, value
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6, value
+    assert type(value["age"]) is int and 0 <= value["age"] <= 120, value
+    assert type(value["ok"]) is bool and value["color"] in ("red", "green", "blue"), value
+
+
 def check_matches(kind: str, text: str) -> None:
     if kind.startswith("json") and kind != "json_object":
         # strict=False: xgrammar lets a string with maxLength hold control characters, which strict JSON refuses
-        jsonschema.validate(json.loads(text, strict=False), SCHEMA)
+        check_schema(json.loads(text, strict=False))
     elif kind == "json_object":
         assert isinstance(json.loads(text), dict), text
     elif kind == "regex":
