@@ -202,3 +202,51 @@ print(messages, replicas.lost())
     assert result.returncode == 0, result.stderr[-3000:]
     assert ("('error', 'the engine failed to start: RuntimeError: the real start-up error')"
             in result.stdout), result.stdout
+
+
+def test_a_local_ray_instance_ends_with_its_killed_driver():
+    """A driver that started a local Ray instance is killed with SIGKILL: every process of the instance is gone
+    within seconds (its DashboardAgent and RuntimeEnvAgent otherwise wait out a 60 s call to the dead GCS)."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+    import psutil  # Ray's own, on the path once ray is imported
+
+    code = """
+import ray, psutil, time
+from nanovllm.data_parallel.ray_actors import _init_ray
+reaper = _init_ray(ray)
+watcher = reaper.process.pid if reaper else None
+ours = [p for p in psutil.Process().children(recursive=True) if p.pid != watcher]
+print(" ".join(f"{p.pid}:{p.create_time()!r}" for p in ours), flush=True)
+time.sleep(600)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+    try:
+        line = driver.stdout.readline()
+        assert line.strip(), "the driver did not start Ray"
+        started = [(int(pid), float(when)) for pid, when in (item.split(":") for item in line.split())]
+        names = {psutil.Process(pid).name() for pid, _ in started}
+        assert any("Agent" in name for name in names), names  # the processes that outlived a driver
+    finally:
+        driver.kill()
+        driver.wait()
+        driver.stdout.close()
+
+    def alive() -> list[int]:
+        left = []
+        for pid, when in started:
+            try:
+                if psutil.Process(pid).create_time() == when and psutil.Process(pid).status() != "zombie":
+                    left.append(pid)
+            except psutil.Error:
+                pass
+        return left
+
+    deadline = time.monotonic() + 20
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = alive()
+    for pid in left:  # do not leave them to the rest of the suite
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} processes of the local Ray instance outlived its driver by 20 s"

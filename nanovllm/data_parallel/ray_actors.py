@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 
+from nanovllm.data_parallel.ray_reaper import Reaper, watch_local_instance
 from nanovllm.data_parallel.replica import STOP, engine_named, serve
 
 POLL_S = 0.5  # an actor answers a poll within this long even with nothing to say
@@ -90,8 +91,7 @@ class RayReplicas:
             raise ImportError("data-parallel backend 'ray' needs Ray: pip install -e '.[ray]'") from None
         self.ray = ray
         self.owns_ray = not ray.is_initialized()
-        if self.owns_ray:
-            _init_ray(ray)
+        self.reaper = _init_ray(ray) if self.owns_ray else None
         try:
             resources = self._resources(replicas, options.get("tensor_parallel_size", 1))
             actor_class = ray.remote(ReplicaActor).options(max_concurrency=2, **resources)
@@ -179,11 +179,15 @@ class RayReplicas:
         finally:
             if self.owns_ray:
                 self.ray.shutdown()
+            if self.reaper is not None:  # the watcher ends what the shutdown left of the instance, then exits
+                os.close(self.reaper.pipe)
+                self.reaper = None
 
 
-def _init_ray(ray) -> None:
+def _init_ray(ray) -> Reaper | None:
     """ray.init(): joins the cluster that RAY_ADDRESS names, else starts a local instance, whose workers (the
-    replicas) then run at the driver's own priority rather than Ray's default niceness."""
+    replicas) then run at the driver's own priority rather than Ray's default niceness, and which ends with
+    the driver."""
     local = not os.environ.get("RAY_ADDRESS")
     set_here = local and NICENESS not in os.environ
     if set_here:  # read by the local instance's processes as they start; the driver's environment is restored
@@ -193,3 +197,5 @@ def _init_ray(ray) -> None:
     finally:
         if set_here:
             del os.environ[NICENESS]
+    # a local instance's agents would outlive a killed driver by a minute (data_parallel/ray_reaper.py)
+    return watch_local_instance(os.getpid()) if local else None
