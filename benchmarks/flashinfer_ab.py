@@ -12,7 +12,7 @@ everything after `jit`, which fills FlashInfer's cache for the rest):
   tests-engine     tests/test_gpu_flashinfer_engine.py: long-context acceptance, routed FP8 checkpoint (~4-6)
   tests-gpu        tests/test_gpu.py on the flashinfer backend (the families included) (~3)
   tests-fp8kv      tests/test_gpu_fp8_kv.py on the flashinfer backend (~3)
-  gemm-qwen3       benchmarks/microbench_fp8_gemm.py, Qwen3-8B layers, 1-8192 rows, with the routing table (~3-6)
+  gemm-qwen3       benchmarks/microbench.py fp8-gemm, Qwen3-8B layers, 1-8192 rows, with the routing table (~3-6)
   gemm-llama       the same for Llama-3.1-8B (~3-6)
   kv-default       bench.py default workload (Qwen3-0.6B): bf16 and FP8 KV cache, triton against flashinfer (~5)
   kv-long          bench.py long-context workload: the same, FP8 on both backends and bf16 on triton (~6)
@@ -199,7 +199,7 @@ def main() -> None:
             tables = [line for line in text.splitlines() if line.startswith(("|", "FAILED", "SKIPPED", "ERROR"))]
             lines = [*tables, f"{part}: {text.strip().splitlines()[-1] if text.strip() else '?'} (rc {rc})"]
         elif part in GEMM:
-            rc, text = run([sys.executable, "benchmarks/microbench_fp8_gemm.py", "--shape", GEMM[part], "--out",
+            rc, text = run([sys.executable, "benchmarks/microbench.py", "fp8-gemm", "--shape", GEMM[part], "--out",
                             os.path.join(OUT, part)], os.path.join(OUT, f"ab_{part}.log"))
             lines = [line for line in text.splitlines() if "| layer |" in line or line.startswith(
                 ("device", "suggested", "| rows", "| ---")) or ("/" in line and line.count("|") == 4)] + [f"rc {rc}"]

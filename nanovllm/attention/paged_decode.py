@@ -25,7 +25,7 @@ MERGE_WIDTH = 16
 def default_max_splits(batch: int, num_kv_heads: int) -> int:
     """Slices per sequence (of the table's full width): about a thousand (sequence, KV head, slice) programs
     keep HBM busy at small batches; once the batch alone gives that many, fewer and longer slices merge less
-    (the sweep is benchmarks/microbench_decode_attention.py)."""
+    (the sweep is `benchmarks/microbench.py decode --sweep`)."""
     if batch * num_kv_heads >= 1024:
         return 4
     return min(MERGE_WIDTH, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
@@ -120,7 +120,7 @@ def _decode_attention(
         tl.atomic_xchg(counter, 0)
 
 
-# (BLOCK_N, num_warps, num_stages) per cache dtype, from benchmarks/microbench_fp8_decode.py --sweep on an H200
+# (BLOCK_N, num_warps, num_stages) per cache dtype, from `benchmarks/microbench.py fp8-decode --sweep` on an H200
 TUNED = {False: (64, 4, 2), True: (64, 2, 2)}
 
 

@@ -48,7 +48,7 @@ class TileConfig:
 
 def tile_config(num_pairs: int, num_experts: int) -> TileConfig:
     """Few pairs per expert (decode): short tiles, the weights streamed by many programs; many (prefill): tall
-    tiles that reuse each weight tile over more rows. The sweep is benchmarks/microbench_moe.py."""
+    tiles that reuse each weight tile over more rows. The sweep is `benchmarks/microbench.py moe --sweep`."""
     if num_pairs <= 4 * num_experts:
         return TileConfig(16, 64, 128, 4, 4)
     if num_pairs <= 32 * num_experts:

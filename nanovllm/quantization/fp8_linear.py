@@ -27,7 +27,7 @@ from nanovllm.quantization.fp8_routes import FLASHINFER, Routes, kernel_for
 BLOCK = 128  # the published checkpoints' weight_block_size, and the activation group of the block-wise matmul
 # Rows (tokens) below which a layer multiplies a bf16 copy of its weight instead: 0 keeps FP8 for every batch.
 # A copy costs the memory FP8 saves, so raise this only where the device measurement
-# (benchmarks/microbench_fp8_gemm.py) shows FP8 losing at small batches.
+# (`benchmarks/microbench.py fp8-gemm`) shows FP8 losing at small batches.
 BF16_BELOW_ROWS = 0
 # Hopper's fast accumulation (row-wise matmuls only) is less exact over long reductions; the microbenchmark shows
 # what it would gain.

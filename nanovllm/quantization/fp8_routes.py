@@ -6,7 +6,7 @@ the engine in 1x128 groups, the same codes for both):
 - "flashinfer": FlashInfer's fp8_blockscale_gemm_sm90 (TensorRT-LLM's DeepGEMM kernels, operands swapped below
   32 rows), Hopper only, for layers with out % 64 == 0 and in % 128 == 0 (quantization/fp8_flashinfer.py).
 Weights with one scale per output channel (row-wise) have one kernel, torch._scaled_mm; a block-scaled weight
-cannot take it without a second rounding, so it is measured beside these (benchmarks/microbench_fp8_gemm.py) but
+cannot take it without a second rounding, so it is measured beside these (`benchmarks/microbench.py fp8-gemm`) but
 not routed to.
 """
 import os
@@ -17,7 +17,7 @@ Routes = tuple[tuple[int, str], ...]
 
 # (max_rows, kernel) by increasing max_rows: a batch of n rows runs the kernel of the first entry with
 # n <= max_rows, and cuBLAS past the last one. Source: `benchmarks/flashinfer_ab.py gemm-qwen3 gemm-llama`
-# (microbench_fp8_gemm.py on Qwen3-8B's and Llama-3.1-8B's layers, errors equal to cuBLAS's at every row count):
+# (`microbench.py fp8-gemm` on Qwen3-8B's and Llama-3.1-8B's layers, errors equal to cuBLAS's at every row count):
 # FlashInfer is the faster kernel for both models at every measured count up to 128 rows (at 192 it is 1.3x
 # slower). The engine has run this table end to end against cuBLAS (tests/test_gpu_flashinfer_engine.py: decode
 # steps of 1-64 rows, both kernels FlashInfer switches between at 32, the same tokens' scores as cuBLAS).
