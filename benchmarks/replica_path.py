@@ -30,7 +30,7 @@ def run_batch(engine: str, argv: list[str]) -> int:
     if os.environ.get("REPLICA_PATH_SWITCH"):
         sys.setswitchinterval(float(os.environ["REPLICA_PATH_SWITCH"]))
     from nanovllm import cli
-    from nanovllm import run_batch as rb
+    from nanovllm.batch import run as rb
 
     args = cli.build_parser().parse_args(["run-batch", *argv])
     return rb.run(args, engine_class="nanovllm.llm:LLM") if engine == "replica" else rb.run(args)

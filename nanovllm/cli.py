@@ -3,8 +3,8 @@ imported only once the arguments are known good."""
 import argparse
 import sys
 
+from nanovllm.batch.flags import add_engine_flags
 from nanovllm.config import DATA_PARALLEL_BACKENDS
-from nanovllm.engine_flags import add_engine_flags
 
 RUN_BATCH_DESCRIPTION = """\
 Run an OpenAI batch-format JSONL file through the engine:
@@ -64,13 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from nanovllm.batch_start import fail, start  # the files checked, replicas launched: before the engine's import
+    from nanovllm.batch.start import fail, start  # the files checked, replicas launched: before the engine's import
 
     started = start(args)
     if isinstance(started, int):
         return started
     try:
-        from nanovllm.run_batch import run  # the engine and torch
+        from nanovllm.batch.run import run  # the engine and torch
 
         return run(args, started=started)
     except KeyboardInterrupt:  # before the engine took its first request: run() answers those after

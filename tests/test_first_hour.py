@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.batch.flags import engine_options
 from nanovllm.cli import parse_args
-from nanovllm.engine_flags import engine_options
 from nanovllm.utils import random_checkpoint
 from nanovllm.utils.device import cap_cpu_threads
 
@@ -122,7 +122,7 @@ def test_chat_template_kwargs_override_add_generation_prompt(llm):
 
 
 def test_tool_messages_and_tool_calls_pass_to_the_template(llm):
-    from nanovllm.batch_requests import CHAT, prompt_of
+    from nanovllm.batch.requests import CHAT, prompt_of
 
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",

@@ -11,11 +11,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanovllm import batch_io
-from nanovllm.batch_io import Done
-from nanovllm.batch_output import OutputBusy, OutputFile, check_writable
+from nanovllm.batch import io as batch_io
+from nanovllm.batch.flags import engine_options
+from nanovllm.batch.io import Done
+from nanovllm.batch.output import OutputBusy, OutputFile, check_writable
 from nanovllm.data_parallel.processes import visible_gpus, why_not_fork
-from nanovllm.engine_flags import engine_options
 
 if TYPE_CHECKING:
     from nanovllm.data_parallel.launch import LaunchedReplicas

@@ -2,7 +2,7 @@
 
 A body field that would change the result and that is not supported is an error for its line, never ignored.
 """
-from nanovllm.batch_io import LineError
+from nanovllm.batch.io import LineError
 from nanovllm.engine.chat import normalize_message
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams

@@ -1,5 +1,5 @@
 """The files of `nanovllm run-batch`: reading the JSONL input, the result records, and resuming (the output file
-while a run holds and appends to it is batch_output.py).
+while a run holds and appends to it is output.py).
 
 Resume guarantee: a record counts as written only once its whole line, newline included, is in the output file.
 Each record is written with one write() of the line plus its newline, so a kill (even SIGKILL) can leave at most
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from nanovllm.id_set import IdSet, digest
+from nanovllm.batch.id_set import IdSet, digest
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf, which JSON cannot hold
