@@ -56,6 +56,10 @@ def parse_line(raw: bytes) -> dict:
         raise LineError("invalid_json", f"not valid JSON: {type(error).__name__}: {error}") from None
     if not isinstance(request, dict):
         raise LineError("invalid_json", f"a request line must be a JSON object, not {type(request).__name__}")
+    given = request.get("custom_id")
+    if given is not None and not isinstance(given, str):  # OpenAI's batch API takes strings only: say so by name
+        raise LineError("invalid_custom_id", f"custom_id must be a string, got {type(given).__name__} {given!r} "
+                                             f"(write it in quotes: \"{given}\")")
     if custom_id_of(request) is None:
         raise LineError("missing_custom_id", "the request has no custom_id (a non-empty string)")
     return request

@@ -12,7 +12,7 @@ from nanovllm.batch.flags import engine_options
 from nanovllm.batch.io import Done, LineError
 from nanovllm.batch.output import OutputWriter, WriteFailed
 from nanovllm.batch.requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
-from nanovllm.batch.start import BatchStart, check_files, fail, say, serial
+from nanovllm.batch.start import BatchStart, check_files, fail, say, serial, sigterm_as_interrupt
 from nanovllm.data_parallel import DataParallel, ReplicasLost
 from nanovllm.engine.progress import ProgressBar, TokenCounter
 from nanovllm.engine.startup import process_started
@@ -110,7 +110,8 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     if isinstance(started, int):
         return started
     try:
-        return _run(args, llm, engine_class, started)
+        with sigterm_as_interrupt():
+            return _run(args, llm, engine_class, started)
     finally:  # the lock goes, and the output too where this run created it and wrote nothing
         started.output.release()
 
