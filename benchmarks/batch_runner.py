@@ -24,7 +24,8 @@ import time
 from random import Random
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.run_batch import build_parser, run
+from nanovllm.batch.run import run
+from nanovllm.cli import build_parser
 from nanovllm.utils.random_checkpoint import default_checkpoint
 
 

@@ -25,7 +25,9 @@ STARTED = time.perf_counter()  # gpu's budget counts from here: the checkpoint's
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from nanovllm import batch_output, run_batch  # noqa: E402
+from nanovllm import cli  # noqa: E402
+from nanovllm.batch import output as batch_output  # noqa: E402
+from nanovllm.batch import run as run_batch  # noqa: E402
 from nanovllm.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanovllm.utils.random_checkpoint import default_checkpoint  # noqa: E402
 
@@ -185,7 +187,7 @@ def time_driver(inp: str, out: str, model: str, flags: list[str]) -> tuple[float
     batch_output.OutputWriter.write = timed  # first to last record: replica startup is not the driver's
     try:
         argv = ["run-batch", "-i", inp, "-o", out, "--model", model, *flags]
-        assert run_batch.run(run_batch.build_parser().parse_args(argv), engine_class=InstantEngine) == 0
+        assert run_batch.run(cli.build_parser().parse_args(argv), engine_class=InstantEngine) == 0
     finally:
         batch_output.OutputWriter.write = write
     (wall_first, cpu_first), (wall_last, cpu_last) = times[0], times[-1]

@@ -54,7 +54,7 @@ def steps(model: str | None) -> list[tuple[str, object]]:
     named = [("import torch", lambda: __import__("torch")), ("import triton", lambda: __import__("triton")),
              ("import transformers", lambda: __import__("transformers")),
              ("import nanovllm.llm", lambda: __import__("nanovllm.llm")),
-             ("import nanovllm.run_batch", lambda: __import__("nanovllm.run_batch"))]
+             ("import nanovllm.batch.run", lambda: __import__("nanovllm.batch.run"))]
     if model:
         named.append(("config check (checked_config)", config_check))
     named += [("torch.compile(f) (no call)", compile_a_function), ("count GPUs (visible_gpus)", count_gpus)]

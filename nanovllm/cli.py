@@ -3,8 +3,8 @@ imported only once the arguments are known good."""
 import argparse
 import sys
 
+from nanovllm.batch.flags import add_engine_flags
 from nanovllm.config import DATA_PARALLEL_BACKENDS
-from nanovllm.engine_flags import add_engine_flags
 
 RUN_BATCH_DESCRIPTION = """\
 Run an OpenAI batch-format JSONL file through the engine:
@@ -64,21 +64,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from nanovllm.batch_start import fail, start  # the files checked, replicas launched: before the engine's import
+    from nanovllm.batch.start import fail, sigterm_as_interrupt, start  # before the engine's import
 
-    started = start(args)
-    if isinstance(started, int):
-        return started
-    try:
-        from nanovllm.run_batch import run  # the engine and torch
+    with sigterm_as_interrupt():  # a kill while the engine is imported or starts ends as Ctrl-C would
+        started = start(args)  # the files checked, replicas launched
+        if isinstance(started, int):
+            return started
+        try:
+            from nanovllm.batch.run import run  # the engine and torch
 
-        return run(args, started=started)
-    except KeyboardInterrupt:  # before the engine took its first request: run() answers those after
-        return fail("interrupted before any request was answered", code=130)
-    finally:
-        started.output.release()  # run() has, unless it never ran
-        if started.launched is not None:  # replicas the engine never took over (it takes them, then stops them)
-            started.launched.close()
+            return run(args, started=started)
+        except KeyboardInterrupt:  # before the engine took its first request: run() answers those after
+            return fail("interrupted before any request was answered", code=130)
+        finally:
+            started.output.release()  # run() has, unless it never ran
+            if started.launched is not None:  # replicas the engine never took over (it takes them, then stops them)
+                started.launched.close()
 
 
 def _version() -> str:

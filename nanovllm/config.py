@@ -113,6 +113,12 @@ class Config:
 
     @classmethod
     def from_options(cls, model: str, **options) -> Config:
+        # vLLM's switch, which its users pass as True: here prefix caching is always on (a prompt's full blocks
+        # are shared by hash, engine/block_manager.py), so True asks for what is already so; False cannot be had
+        if options.pop("enable_prefix_caching", True) is not True:
+            raise ValueError("enable_prefix_caching=False is not supported: prefix caching is always on in "
+                             "nano-vllm (it changes no output, only skips recomputing a shared prefix); leave the "
+                             "option out or pass True")
         known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(options) - known)
         if unknown:

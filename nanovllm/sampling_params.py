@@ -1,6 +1,8 @@
+import difflib
+import functools
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # vLLM's bound on n (its VLLM_MAX_N_SEQUENCES default): each sample is a sequence made before any work, so an
 # absurd n would stall the caller while it filled memory rather than fail
@@ -146,33 +148,38 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", [])
         elif isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", [self.bad_words])
-        _check("n", self.n, _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]")
-        _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]")
+        _check("n", self.n, _integer(self.n) and 1 <= self.n <= MAX_N, f"an integer in [1, {MAX_N}]",
+               kind="an integer")
+        _check("presence_penalty", self.presence_penalty, -2.0 <= _number(self.presence_penalty) <= 2.0, "[-2, 2]",
+               kind="a number")
         _check("frequency_penalty", self.frequency_penalty, -2.0 <= _number(self.frequency_penalty) <= 2.0,
-               "[-2, 2]")
+               "[-2, 2]", kind="a number")
         _check("repetition_penalty", self.repetition_penalty, 0.0 < _number(self.repetition_penalty) <= 100.0,
-               "(0, 100]")
-        _check("temperature", self.temperature, 0.0 <= _number(self.temperature) <= 100.0, "[0, 100]")
+               "(0, 100]", kind="a number")
+        _check("temperature", self.temperature, 0.0 <= _number(self.temperature) <= 100.0, "[0, 100]",
+               kind="a number")
         _check("top_k", self.top_k, _integer(self.top_k) and self.top_k >= -1,
-               "-1, 0 (off) or a positive integer below 2**63")
-        _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]")
-        _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]")
-        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer in [-2**63, 2**63)")
+               "-1, 0 (off) or a positive integer below 2**63", kind="an integer")
+        _check("top_p", self.top_p, 0.0 < _number(self.top_p) <= 1.0, "(0, 1]", kind="a number")
+        _check("min_p", self.min_p, 0.0 <= _number(self.min_p) <= 1.0, "[0, 1]", kind="a number")
+        _check("seed", self.seed, self.seed is None or _integer(self.seed), "None or an integer in [-2**63, 2**63)",
+               kind="an integer or None")
         unbounded = self.max_tokens is None  # up to max_model_len: resolved per request by the engine
         _check("max_tokens", self.max_tokens, unbounded or (_integer(self.max_tokens) and self.max_tokens >= 1),
-               "None (up to max_model_len) or an integer >= 1")
+               "None (up to max_model_len) or an integer >= 1", kind="an integer or None")
         most = 2**63 - 1 if unbounded else self.max_tokens
         _check("min_tokens", self.min_tokens, _integer(self.min_tokens) and 0 <= self.min_tokens <= most,
-               f"[0, max_tokens={self.max_tokens}]")
+               f"[0, max_tokens={self.max_tokens}]", kind="an integer")
         _check("stop", self.stop, isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
                "a string, a list of non-empty strings, or None")
         _check("stop_token_ids", self.stop_token_ids, isinstance(self.stop_token_ids, list)
                and all(_integer(t) and t >= 0 for t in self.stop_token_ids),
                "non-negative integers below 2**63")
         _check("logprobs", self.logprobs, self.logprobs is None or (_integer(self.logprobs) and self.logprobs >= 0),
-               "None or an integer >= 0")
+               "None or an integer >= 0", kind="an integer or None")
         _check("prompt_logprobs", self.prompt_logprobs, self.prompt_logprobs is None
-               or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "None or an integer >= 0")
+               or (_integer(self.prompt_logprobs) and self.prompt_logprobs >= 0), "None or an integer >= 0",
+               kind="an integer or None")
         # vLLM strips a word's leading spaces before tokenizing it (with and without one): nothing may be left
         _check("bad_words", self.bad_words, isinstance(self.bad_words, list)
                and all(isinstance(w, str) and w.lstrip() for w in self.bad_words),
@@ -214,7 +221,40 @@ def _integer(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
 
-def _check(name: str, value, ok: bool, allowed: str) -> None:
-    if not ok:
-        owner = "" if "." in name else "SamplingParams."
-        raise ValueError(f"{owner}{name}={value!r} is out of range: allowed {allowed}")
+def _check(name: str, value, ok: bool, allowed: str, kind: str | None = None) -> None:
+    """kind: the type the field takes ("an integer", "a number", "... or None"); a value of another type is named
+    as such, not as out of range (max_tokens='10' is a str, not too big). A ValueError either way, as callers
+    (and a failed assignment's undo) catch ValueError."""
+    if ok:
+        return
+    owner = "" if "." in name else "SamplingParams."
+    if kind is not None and not _of_kind(value, kind):
+        raise ValueError(f"{owner}{name}={value!r} must be {kind}, got {type(value).__name__}: allowed {allowed}")
+    raise ValueError(f"{owner}{name}={value!r} is out of range: allowed {allowed}")
+
+
+def _of_kind(value: object, kind: str) -> bool:
+    wanted = (int,) if kind.startswith("an integer") else (int, float)
+    return (value is None and kind.endswith("or None")) or (isinstance(value, wanted) and not isinstance(value, bool))
+
+
+def _suggest_keywords(cls: type) -> None:
+    """A misspelt keyword (max_token=5) names the field meant. Wraps the dataclass's own __init__ (slots and
+    kw_only need it generated), which still does all the work; only its TypeError gains the suggestion."""
+    generated = cls.__init__
+    names = [f.name for f in fields(cls) if f.init]
+
+    @functools.wraps(generated)
+    def __init__(self, *args, **kwargs) -> None:
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; the fields are {', '.join(names)}"
+                raise TypeError(f"{cls.__name__}() got an unexpected keyword argument {name!r}{hint}")
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+_suggest_keywords(SamplingParams)
+_suggest_keywords(StructuredOutputsParams)

@@ -1,4 +1,4 @@
-"""run-batch's output while a run holds it (nanovllm/batch_output.py): one writer at a time, and a full disk said as
+"""run-batch's output while a run holds it (nanovllm/batch/output.py): one writer at a time, and a full disk said as
 such, with the run resumable."""
 import errno
 import os
@@ -9,7 +9,8 @@ import warnings
 import pytest
 from test_run_batch import ENGINE, by_id, records, request, write_lines
 
-from nanovllm import batch_output, run_batch
+from nanovllm import cli as command_line
+from nanovllm.batch import output as batch_output
 
 LINES = [request(f"r{i}", {"prompt": [3 + i, 7, 9], "max_tokens": 2, "temperature": 0}) for i in range(5)]
 HOLD = "import fcntl, sys, time; f = open(sys.argv[1], 'ab'); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); " \
@@ -23,7 +24,7 @@ def test_a_second_writer_is_refused_by_name_before_the_model_loads(tiny_model, t
     try:
         assert holder.stdout.readline() == "1\n"  # it holds the lock, as a run-batch writing there does
         # no such model: the refusal comes before any attempt to load one
-        code = run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", str(tmp_path / "no-model")])
+        code = command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", str(tmp_path / "no-model")])
         err = capsys.readouterr().err
         assert code == 1, err
         assert f"another run-batch is writing {out} (pid {holder.pid}); two runs on one output would answer every " \
@@ -32,7 +33,7 @@ def test_a_second_writer_is_refused_by_name_before_the_model_loads(tiny_model, t
     finally:
         holder.kill()
         holder.communicate()
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     assert sorted(by_id(out)) == [f"r{i}" for i in range(5)]
 
 
@@ -80,7 +81,7 @@ def test_a_full_disk_is_said_and_the_same_command_resumes(tiny_model, tmp_path, 
     inp, out = write_lines(tmp_path / "in.jsonl", LINES), tmp_path / "out.jsonl"
     argv = ["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]
     monkeypatch.setattr(batch_output.os, "write", FullDisk(room))
-    assert run_batch.main(argv) == 1
+    assert command_line.main(argv) == 1
     err = capsys.readouterr().err
     assert f"cannot write to {out}: the disk is full (No space left on device); this run wrote {room} records " \
            f"before it; free some space (or fix the error) and run the same command again to resume" in err
@@ -90,7 +91,7 @@ def test_a_full_disk_is_said_and_the_same_command_resumes(tiny_model, tmp_path, 
     else:
         assert len(records(out)) == room
     monkeypatch.undo()
-    assert run_batch.main(argv) == 0
+    assert command_line.main(argv) == 0
     assert f"{5 - room} succeeded, 0 failed, {room} skipped" in capsys.readouterr().err
     assert sorted(by_id(out)) == [f"r{i}" for i in range(5)]
 
@@ -103,7 +104,7 @@ def test_a_failing_fsync_is_said_too(tiny_model, tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(os, "fsync", fsync)
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 1
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 1
     err = capsys.readouterr().err
     assert f"cannot write to {out}: the disk is full (No space left on device); this run wrote " in err
     assert "Traceback" not in err and len(records(out)) == 5  # written whole; only their fsync failed

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.batch_io import LineError
-from nanovllm.batch_requests import CHAT, prompt_of
+from nanovllm.batch.io import LineError
+from nanovllm.batch.requests import CHAT, prompt_of
 
 # the tool-call part of Qwen2.5's template, which writes the arguments with tojson (as Llama 3.1's does)
 TOOL_TEMPLATE = (

@@ -10,7 +10,8 @@ import time
 import pytest
 from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, request, write_lines
 
-from nanovllm import LLM, SamplingParams, run_batch
+from nanovllm import LLM, SamplingParams
+from nanovllm import cli as command_line
 from nanovllm.data_parallel import DataParallel, iter_generate
 
 pytestmark = pytest.mark.slow  # processes and actors: seconds each
@@ -61,10 +62,10 @@ def test_cli_dp2_processes_equal_dp1(tiny_model, tmp_path, capsys):
              for i, p in enumerate(prompts(10))] + [request("bad", {"prompt": [1, 2, 10**6]})]  # a replica's error
     inp = write_lines(tmp_path / "in.jsonl", lines)
     engine = [*ENGINE, "--max-num-seqs", "2"]
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(tmp_path / "dp1.jsonl"), "--model", tiny_model,
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(tmp_path / "dp1.jsonl"), "--model", tiny_model,
                            *engine]) == 0
     capsys.readouterr()
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(tmp_path / "dp2.jsonl"), "--model", tiny_model,
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(tmp_path / "dp2.jsonl"), "--model", tiny_model,
                            *engine, "--data-parallel-size", "2"]) == 0
     err = capsys.readouterr().err
     assert "10 succeeded, 1 failed, 0 skipped" in err
@@ -128,7 +129,7 @@ def test_all_replicas_killed_stops_clearly_then_resumes(tiny_model, tmp_path, ca
     written = out.read_bytes().count(b"\n")
     assert 3 <= written < 30
     # the next run (one engine, in this process: the output does not care how many made it) finishes the job
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *engine]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *engine]) == 0
     stderr = capsys.readouterr().err
     assert f"{30 - written} succeeded, 0 failed, {written} skipped" in stderr
     assert sorted(by_id(out)) == sorted(f"r{i}" for i in range(30))
@@ -156,7 +157,7 @@ def test_ray_dp2_equals_dp1_and_survives_a_killed_actor(tiny_model, tmp_path, lo
     inp = write_lines(tmp_path / "in.jsonl", lines)
     engine = [*ENGINE, "--max-num-seqs", "2"]
     for name, dp in (("dp1", []), ("ray", ["--data-parallel-size", "2", "--data-parallel-backend", "ray"])):
-        assert run_batch.main(["run-batch", "-i", inp, "-o", str(tmp_path / f"{name}.jsonl"), "--model", tiny_model,
+        assert command_line.main(["run-batch", "-i", inp, "-o", str(tmp_path / f"{name}.jsonl"), "--model", tiny_model,
                                *engine, *dp]) == 0
     assert "per replica: [" in capsys.readouterr().err
     dp1, dp2 = by_id(tmp_path / "dp1.jsonl"), by_id(tmp_path / "ray.jsonl")
@@ -189,7 +190,7 @@ def test_importing_the_package_asks_cuda_nothing():
     """A replica sets its GPUs before the engine runs; torch counts GPUs once, so no import may ask before."""
     probe = ("import torch\nasked = []\nreal = torch.cuda.is_available\n"
              "torch.cuda.is_available = lambda: asked.append(1) or real()\n"
-             "import nanovllm, nanovllm.run_batch, nanovllm.data_parallel, nanovllm.layers.layernorm\n"
+             "import nanovllm, nanovllm.batch.run, nanovllm.data_parallel, nanovllm.layers.layernorm\n"
              "import nanovllm.layers.rotary_embedding, nanovllm.quantization.fp8_linear\n"
              "assert not asked, 'importing nanovllm asked torch.cuda.is_available()'\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)

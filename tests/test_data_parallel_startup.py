@@ -251,7 +251,7 @@ def test_the_startup_probe_times_every_step(tiny_model):
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     steps = [row.split(" | ")[0][2:] for row in rows]
     assert steps[-8:] == ["import torch", "import triton", "import transformers", "import nanovllm.llm",
-                          "import nanovllm.run_batch", "config check (checked_config)", "torch.compile(f) (no call)",
+                          "import nanovllm.batch.run", "config check (checked_config)", "torch.compile(f) (no call)",
                           "count GPUs (visible_gpus)"], result.stdout
     for row in rows:
         _, seconds, initialised = row.strip("| ").split(" | ")
@@ -266,7 +266,7 @@ NO_SAFE_FORK = "import threading, time\nthreading.Thread(target=time.sleep, args
 def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model, tmp_path, backend, monkeypatch):
     """Where replicas are Ray actors, or processes that no safe fork allows (spawned: they import everything
     themselves), the command line's first work after its file checks is their launch: in a fresh process, once
-    batch_start.start has returned them, neither transformers nor the engine has been imported by the driver; and
+    batch/start.py's start has returned them, neither transformers nor the engine has been imported by the driver; and
     replicas stopped mid-import leave cleanly at once (an interrupt inside a replica's imports once left it hanging
     until the driver killed it, JOIN_S later: spawned replicas now hold it back as forked ones do)."""
     inp = tmp_path / "in.jsonl"
@@ -274,7 +274,7 @@ def test_run_batch_launches_its_replicas_before_it_imports_the_engine(tiny_model
     code = NO_SAFE_FORK + f"""
 import sys
 from nanovllm.cli import parse_args
-from nanovllm.batch_start import start
+from nanovllm.batch.start import start
 from nanovllm.data_parallel.processes import JOIN_S
 args = parse_args(["run-batch", "-i", {str(inp)!r}, "-o", {str(tmp_path / "out.jsonl")!r}, "--model",
                    {tiny_model!r}, "-dp", "2", "-dpb", {backend!r}])
@@ -325,12 +325,12 @@ launch.launch_replicas = early
 def run_with_a_bad_option(tiny_model, tmp_path, capsys):
     """run-batch -dp 2 in this process with gpu_memory_utilization 1.5: it fails with the option's message; returns
     the output file's path (which it must not have created)."""
-    from nanovllm import run_batch
+    from nanovllm import cli as command_line
 
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"custom_id": "a", "body": {"prompt": "hi", "max_tokens": 2}, "url": "/v1/completions"}\n')
     out = tmp_path / "out.jsonl"
-    code = run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
+    code = command_line.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model, "-dp", "2",
                            "--gpu-memory-utilization", "1.5"])
     err = capsys.readouterr().err
     assert code == 1 and "cannot start the engine: ValueError: gpu_memory_utilization must be" in err, err
@@ -342,7 +342,7 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
     its message, stops the replicas, and leaves no output file."""
     import multiprocessing
 
-    from nanovllm import batch_start
+    from nanovllm.batch import start as batch_start
     from nanovllm.data_parallel import launch
 
     monkeypatch.setattr(batch_start, "why_not_fork", lambda: "no safe fork here")
@@ -365,7 +365,7 @@ def test_a_bad_option_stops_the_replicas_launched_early(tiny_model, tmp_path, ca
 def test_a_bad_option_fails_before_any_replica_where_they_are_forked(tiny_model, tmp_path, capsys, monkeypatch):
     """Where replicas are forked after the driver's imports, the options are checked before them: a bad one fails
     the run with its message and starts no replica."""
-    from nanovllm import batch_start
+    from nanovllm.batch import start as batch_start
     from nanovllm.data_parallel import driver, launch
 
     started = []
@@ -464,7 +464,7 @@ def spy(*args):
     print("replicas launched early", file=sys.stderr)
     return real(*args)
 launch.launch_replicas = spy
-import nanovllm.run_batch as run_batch
+import nanovllm.batch.run as run_batch
 def run(*args, **kwargs):
     raise {failure}
 run_batch.run = run

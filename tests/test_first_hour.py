@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.batch.flags import engine_options
 from nanovllm.cli import parse_args
-from nanovllm.engine_flags import engine_options
 from nanovllm.utils import random_checkpoint
 from nanovllm.utils.device import cap_cpu_threads
 
@@ -122,7 +122,7 @@ def test_chat_template_kwargs_override_add_generation_prompt(llm):
 
 
 def test_tool_messages_and_tool_calls_pass_to_the_template(llm):
-    from nanovllm.batch_requests import CHAT, prompt_of
+    from nanovllm.batch.requests import CHAT, prompt_of
 
     messages = [{"role": "user", "content": "weather?"},
                 {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
@@ -232,3 +232,87 @@ def test_cpu_threads_follow_the_free_cores(monkeypatch):
         assert cap_cpu_threads() == 2  # the user's number stands
     finally:
         torch.set_num_threads(threads)
+
+
+# --- what a newcomer tripped on (issue 58) ------------------------------------------------------------------------
+def test_run_batch_names_a_non_string_custom_id_and_a_chat_body_without_messages():
+    """An integer custom_id is refused by name (OpenAI's batch API takes strings only), not answered as null with
+    "no custom_id"; a chat body with `prompt` says that messages is required, not that prompt is unsupported."""
+    from nanovllm.batch import io as batch_io
+    from nanovllm.batch.requests import CHAT, COMPLETIONS, check_fields
+
+    with pytest.raises(batch_io.LineError, match=r"custom_id must be a string, got int 7") as caught:
+        batch_io.parse_line(b'{"custom_id": 7, "url": "/v1/completions", "body": {"prompt": "hi"}}')
+    assert caught.value.code == "invalid_custom_id"
+    with pytest.raises(batch_io.LineError, match=r"^messages is required for /v1/chat/completions \(prompt is for "
+                                                 r"/v1/completions\)$"):
+        check_fields({"prompt": "hi", "max_tokens": 2}, CHAT)
+    with pytest.raises(batch_io.LineError, match=r"^prompt is required for /v1/completions \(messages is for "):
+        check_fields({"messages": [{"role": "user", "content": "hi"}]}, COMPLETIONS)
+
+
+def test_run_batch_warns_of_an_empty_input_before_loading_the_model(tmp_path, capsys):
+    from nanovllm.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n  \n")
+    no_model = str(tmp_path / "no-such-model")  # loading it would fail: the run must not try
+    assert main(["run-batch", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", no_model]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "holds no requests (it is empty or blank); nothing to do" in err, err
+
+
+def test_sigterm_mid_run_says_how_to_resume_as_ctrl_c_does(tiny_model, tmp_path, capsys, monkeypatch):
+    import signal
+
+    from nanovllm.batch import output
+    from nanovllm.cli import main
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "url": "/v1/completions", "body": {
+        "prompt": [5 + i, 9], "max_tokens": 4, "temperature": 0, "ignore_eos": True}}) + "\n" for i in range(8)))
+    write = output.OutputWriter.write
+
+    def write_then_terminated(self, record: dict) -> None:  # the kill lands after the first result is on disk
+        write(self, record)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(output.OutputWriter, "write", write_then_terminated)
+
+    def unhandled(signum: int, frame: object) -> None:  # in place of the default action, which would end pytest
+        raise AssertionError("run-batch left SIGTERM to the handler it found")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code = main(["run-batch", "-i", str(inp), "-o", str(tmp_path / "out.jsonl"), "--model", tiny_model,
+                     *engine_options_flags()])
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # the command's handler lasts only while it runs
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    err = capsys.readouterr().err
+    assert code == 130 and "run the same command again to resume" in err, err
+
+
+def engine_options_flags() -> list[str]:
+    return [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE.items()]
+
+
+def test_enable_prefix_caching_true_is_accepted_false_says_it_is_always_on(tiny_model):
+    with LLM(tiny_model, enable_prefix_caching=True, **ENGINE) as engine:
+        assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match=r"enable_prefix_caching=False is not supported: prefix caching is always "
+                                         r"on in nano-vllm"):
+        LLM(tiny_model, enable_prefix_caching=False, **ENGINE)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"max_tokens": "10"}, ValueError, r"SamplingParams.max_tokens='10' must be an integer or None, got str"),
+    ({"temperature": "0.5"}, ValueError, r"SamplingParams.temperature='0.5' must be a number, got str"),
+    ({"n": 2.0}, ValueError, r"SamplingParams.n=2.0 must be an integer, got float"),
+    ({"top_k": True}, ValueError, r"SamplingParams.top_k=True must be an integer, got bool"),
+    ({"max_token": 5}, TypeError, r"unexpected keyword argument 'max_token'; did you mean 'max_tokens'\?"),
+    ({"temprature": 0}, TypeError, r"unexpected keyword argument 'temprature'; did you mean 'temperature'\?"),
+])
+def test_sampling_params_name_a_wrong_type_and_a_misspelt_keyword(options, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**options)

@@ -1,7 +1,7 @@
-"""IdSet (nanovllm/id_set.py) against a Python set of the same ids."""
+"""IdSet (nanovllm/batch/id_set.py) against a Python set of the same ids."""
 from random import Random
 
-from nanovllm.id_set import IdSet
+from nanovllm.batch.id_set import IdSet
 
 
 def test_id_set_answers_as_a_python_set():

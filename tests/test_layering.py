@@ -14,8 +14,13 @@ rooms cannot form a circle. Lowest first:
 - engine: scheduling, the KV blocks, the model runner, the step loop;
 - api: LLM, the package's face;
 - data_parallel: replicas of LLM;
-- cli: run-batch, its request and file handling and flags, and the checkpoint writer tool (which lives in
-  utils/ for its `python -m nanovllm.utils.random_checkpoint` path).
+- batch: run-batch's work: its files, requests, flags, start-up and run;
+- cli: the command line above it, and the checkpoint writer tool (which lives in utils/ for its
+  `python -m nanovllm.utils.random_checkpoint` path).
+
+Every import is an arrow: at module level, under `if TYPE_CHECKING:` and inside a function alike (a circle
+through any of them is still a circle to a reader, and one refactor away from an import error). Beyond the rooms'
+order, no modules form a circle at all, within a room too.
 """
 import ast
 import io
@@ -37,9 +42,8 @@ ROOMS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("nanovllm.engine",)),
     ("api", ("nanovllm", "nanovllm.llm")),
     ("data_parallel", ("nanovllm.data_parallel",)),
-    ("cli", ("nanovllm.cli", "nanovllm.run_batch", "nanovllm.batch_start", "nanovllm.__main__", "nanovllm.batch_io",
-             "nanovllm.batch_output",
-             "nanovllm.batch_requests", "nanovllm.engine_flags", "nanovllm.id_set", "nanovllm.utils.random_checkpoint",
+    ("batch", ("nanovllm.batch",)),
+    ("cli", ("nanovllm.cli", "nanovllm.__main__", "nanovllm.utils.random_checkpoint",
              "nanovllm.utils.random_tokenizer", "nanovllm.utils.quantized_checkpoint")),
 ]
 FP8_PREFIXES = ("fp8_", "kv_quant", "kv_scales")
@@ -68,7 +72,8 @@ def room_of(module: str) -> int:
 
 
 def imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """The nanovllm modules `module` imports, anywhere in it (function-level imports count too)."""
+    """The nanovllm modules `module` imports, anywhere in it: ast.walk visits function bodies and `if
+    TYPE_CHECKING:` blocks as well, so those imports count too."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -95,19 +100,19 @@ def upward(edges: list[tuple[str, str]]) -> list[str]:
             for a, b in edges if room_of(b) > room_of(a)]
 
 
-def room_cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
-    """Strongly connected groups of more than one room (Tarjan's algorithm over the room graph)."""
-    graph: dict[int, set[int]] = {i: set() for i in range(len(ROOMS))}
-    for a, b in edges:
-        if room_of(a) != room_of(b):
-            graph[room_of(a)].add(room_of(b))
-    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one node, or a node with an arrow to itself (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
 
-    def visit(node: int) -> None:
+    def visit(node: str) -> None:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in graph[node]:
+        for nxt in sorted(graph.get(node, ())):
             if nxt not in index:
                 visit(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -118,16 +123,35 @@ def room_cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
             while True:
                 member = stack.pop()
                 on_stack.discard(member)
-                group.append(ROOMS[member][0])
+                group.append(member)
                 if member == node:
                     break
-            if len(group) > 1:
+            if len(group) > 1 or node in graph.get(node, ()):
                 groups.append(sorted(group))
 
-    for node in graph:
+    for node in sorted(graph):
         if node not in index:
             visit(node)
     return groups
+
+
+def room_cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """Groups of more than one room that import each other, round a circle."""
+    graph: dict[str, set[str]] = {name: set() for name, _ in ROOMS}
+    for a, b in edges:
+        if room_of(a) != room_of(b):
+            graph[ROOMS[room_of(a)][0]].add(ROOMS[room_of(b)][0])
+    return circles(graph)
+
+
+def module_cycles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """Groups of modules that import each other, round a circle (a package importing itself does not count: its
+    __init__ naming its own submodules is how `from nanovllm.x import y` works)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        if a != b:
+            graph.setdefault(a, set()).add(b)
+    return circles(graph)
 
 
 def test_every_module_is_in_a_room():
@@ -143,6 +167,21 @@ def test_no_import_runs_up_a_room():
 
 def test_rooms_form_no_circle():
     assert room_cycles(arrows()) == []
+
+
+def test_modules_form_no_circle():
+    assert module_cycles(arrows()) == []
+
+
+def test_an_import_in_a_function_or_for_type_checking_is_an_arrow(tmp_path):
+    """The two kinds of import a reader skims past are read like any other."""
+    path = tmp_path / "a.py"
+    path.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nanovllm import b\n"
+                    "def f():\n    from nanovllm.c import x\n")
+    known = {"nanovllm.b": path, "nanovllm.c": path}
+    assert imports("nanovllm.a", path, known) == {"nanovllm.b", "nanovllm.c"}
+    assert module_cycles([("nanovllm.a", "nanovllm.b"), ("nanovllm.b", "nanovllm.a")]) == [["nanovllm.a",
+                                                                                           "nanovllm.b"]]
 
 
 def test_fp8_and_kv_cache_quantization_live_in_quantization():

@@ -6,7 +6,8 @@ import re
 import pytest
 from test_e2e_transformers import random_prompts
 
-from nanovllm import LLM, SamplingParams, run_batch
+from nanovllm import LLM, SamplingParams
+from nanovllm import cli as command_line
 from nanovllm.engine import progress
 
 SPEED = re.compile(r"(\d+)/(\d+) \[.*est\. speed input: ([\d.]+) toks/s, output: ([\d.]+) toks/s\]")
@@ -63,7 +64,7 @@ def test_run_batch_bar_moves_with_the_engine_steps_not_only_finished_requests(ti
     body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
     inp.write_text("".join(json.dumps({"custom_id": f"r{i}", "url": "/v1/completions",
                                        "body": {"prompt": [3 + i, 40, 50, 60], **body}}) + "\n" for i in range(2)))
-    assert run_batch.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model,
+    assert command_line.main(["run-batch", "-i", str(inp), "-o", str(out), "--model", tiny_model,
                            "--num-kvcache-blocks", "32"]) == 0
     shown = frames(capsys.readouterr().err)
     assert shown[-1][:2] == (2, 2)

@@ -11,7 +11,10 @@ import pytest
 from hf_reference import hf_greedy
 from transformers import AutoTokenizer
 
-from nanovllm import LLM, SamplingParams, batch_io, run_batch
+from nanovllm import LLM, SamplingParams
+from nanovllm import cli as command_line
+from nanovllm.batch import flags
+from nanovllm.batch import io as batch_io
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENGINE = ["--num-kvcache-blocks", "32", "--max-model-len", "512"]
@@ -120,7 +123,7 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
         request("good-3", {**ok, "n": 2, "temperature": 1.0, "seed": 7, "logprobs": 1, "presence_penalty": 0.5}),
     ]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     found = records(out)
     assert len(found) == len(lines)
     results = by_id(out)
@@ -151,7 +154,7 @@ def test_each_bad_line_gets_one_error_record_and_the_rest_succeed(tiny_model, tm
     assert [c["index"] for c in samples] == [0, 1]
     assert all(len(c["logprobs"]["tokens"]) == len(c["logprobs"]["token_logprobs"]) for c in samples)
     # a second run answers nothing again: error records count as answered, id-less ones by their line
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     assert records(out) == found
 
 
@@ -169,7 +172,7 @@ def test_lines_no_parser_or_tokenizer_can_take_get_records_and_the_rest_run(tiny
         request("good-2", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, url=chat),
     ]
     inp, out = write_lines(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     found = records(out)  # every line valid JSON, so valid UTF-8 too (records() reads it strictly)
     assert len(found) == len(lines)
     results = by_id(out)
@@ -181,14 +184,14 @@ def test_lines_no_parser_or_tokenizer_can_take_get_records_and_the_rest_run(tiny
     assert b'"id-\\ud800"' in out.read_bytes()
     assert [r["error"]["code"] for r in found if r["custom_id"] is None] == ["invalid_json"]
     assert results["good-1"]["error"] is None and results["good-2"]["error"] is None
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     assert records(out) == found  # resume: nothing answered twice
 
 def test_duplicate_custom_ids_stop_the_run_before_any_output(tiny_model, tmp_path, capsys):
     lines = [request("a", {"prompt": "x"}), request("b", {"prompt": "y"}), request("a", {"prompt": "z"}),
              request("b", {"prompt": "w"}), request("c", {"prompt": "v"}), request("a", {"prompt": "u"})]
     out = tmp_path / "out.jsonl"
-    code = run_batch.main(["run-batch", "-i", write_lines(tmp_path / "in.jsonl", lines), "-o", str(out),
+    code = command_line.main(["run-batch", "-i", write_lines(tmp_path / "in.jsonl", lines), "-o", str(out),
                            "--model", tiny_model])
     assert code != 0 and not out.exists()
     err = capsys.readouterr().err
@@ -197,13 +200,13 @@ def test_duplicate_custom_ids_stop_the_run_before_any_output(tiny_model, tmp_pat
 
 def test_command_line_usage_errors_and_engine_options(tiny_model):
     with pytest.raises(SystemExit) as exit_info:
-        run_batch.main(["serve", "--model", tiny_model])
+        command_line.main(["serve", "--model", tiny_model])
     assert exit_info.value.code == 2
-    args = run_batch.build_parser().parse_args(["run-batch", "-i", "a", "-o", "b", "--model", "m",
+    args = command_line.build_parser().parse_args(["run-batch", "-i", "a", "-o", "b", "--model", "m",
                                                 "--max-num-seqs", "4", "--no-async-scheduling", "--enforce-eager"])
-    assert run_batch.engine_options(args) == {"max_num_seqs": 4, "async_scheduling": False, "enforce_eager": True}
-    args = run_batch.build_parser().parse_args(["run-batch", "-i", "a", "-o", "b", "--model", "m"])
-    assert run_batch.engine_options(args) == {}  # the engine's own defaults hold
+    assert flags.engine_options(args) == {"max_num_seqs": 4, "async_scheduling": False, "enforce_eager": True}
+    args = command_line.build_parser().parse_args(["run-batch", "-i", "a", "-o", "b", "--model", "m"])
+    assert flags.engine_options(args) == {}  # the engine's own defaults hold
 
 
 def test_read_output_finds_a_torn_last_line_and_drop_torn_truncates_only_it(tmp_path):
@@ -241,7 +244,7 @@ def test_an_output_that_is_the_input_is_refused_however_spelled(tiny_model, tmp_
     os.symlink("in.jsonl", tmp_path / "link.jsonl")
     os.link("in.jsonl", tmp_path / "hard.jsonl")
     for output in ("in.jsonl", "./in.jsonl", inp, "link.jsonl", "hard.jsonl"):
-        code = run_batch.main(["run-batch", "-i", "in.jsonl", "-o", output, "--model", tiny_model])
+        code = command_line.main(["run-batch", "-i", "in.jsonl", "-o", output, "--model", tiny_model])
         err = capsys.readouterr().err
         assert code == 2, err
         assert f"the output file {output!r} is the input file 'in.jsonl'" in err
@@ -254,20 +257,20 @@ def test_an_engine_that_cannot_start_creates_or_changes_no_output(tiny_model, tm
                                               request("b", {"prompt": [4, 5, 6], "max_tokens": 2})])
     out = tmp_path / "out.jsonl"
     for engine in (["--model", str(tmp_path / "no-such-model")], ["--model", tiny_model, "--max-num-seqs", "0"]):
-        assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), *engine]) == 1
+        assert command_line.main(["run-batch", "-i", inp, "-o", str(out), *engine]) == 1
         assert "cannot start the engine" in capsys.readouterr().err
         assert not out.exists()
     missing_folder = tmp_path / "no-such-folder" / "out.jsonl"
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(missing_folder), "--model", tiny_model]) == 1
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(missing_folder), "--model", tiny_model]) == 1
     assert "does not exist" in capsys.readouterr().err and not missing_folder.parent.exists()
     # a resumable output with a torn last line: untouched by a run that cannot start, repaired (and said so) by
     # one that can
     torn = b'{"id": "batch_req_torn", "custom_id": "b", "resp'
     out.write_bytes(json.dumps(batch_io.success_record("a", {})).encode() + b"\n" + torn)
     before = out.read_bytes()
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", str(tmp_path / "no-such-model")]) == 1
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", str(tmp_path / "no-such-model")]) == 1
     assert out.read_bytes() == before and "dropped" not in capsys.readouterr().err
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     err = capsys.readouterr().err
     assert f"{out}: dropped its last line, line 2 ({len(torn)} bytes)" in err
     assert "1 succeeded, 0 failed, 1 skipped" in err
@@ -275,7 +278,7 @@ def test_an_engine_that_cannot_start_creates_or_changes_no_output(tiny_model, tm
 
 
 def test_every_flag_has_a_help_text_that_says_its_default():
-    parser = run_batch.build_parser()
+    parser = command_line.build_parser()
     [run] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)][0].choices.values()
     flags = {a.option_strings[-1] if a.option_strings[-1].startswith("--") else a.option_strings[0]: a.help
              for a in run._actions if a.option_strings and a.dest != "help"}
@@ -315,7 +318,7 @@ def test_sigkill_mid_run_then_resume_answers_each_request_once(tiny_model, tmp_p
     resumed = by_id(out)
     assert sorted(resumed) == sorted(f"r{i}" for i in range(40))
     reference = tmp_path / "reference.jsonl"
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(reference), "--model", tiny_model, *engine]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(reference), "--model", tiny_model, *engine]) == 0
     uninterrupted = by_id(reference)
     assert {cid: choices(r) for cid, r in resumed.items()} == {cid: choices(r) for cid, r in uninterrupted.items()}
 

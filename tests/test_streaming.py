@@ -6,7 +6,8 @@ import pytest
 from hf_reference import assert_no_leaks, hf_greedy
 from test_e2e_transformers import random_prompts
 
-from nanovllm import LLM, SamplingParams, run_batch
+from nanovllm import LLM, SamplingParams
+from nanovllm import cli as command_line
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -123,7 +124,7 @@ def test_chat_prompts_get_no_second_bos_from_the_tokenizer(tiny_model, tmp_path)
     assert out.prompt_token_ids == expected and out.prompt == engine.chat_prompt(conversation)
     line = {"custom_id": "c", "url": "/v1/chat/completions", "body": {"messages": conversation, "max_tokens": 2}}
     (tmp_path / "in.jsonl").write_text(json.dumps(line) + "\n")
-    assert run_batch.main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+    assert command_line.main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
                            "--model", str(path), "--num-kvcache-blocks", "8"]) == 0
     record = json.loads((tmp_path / "out.jsonl").read_text())
     assert record["response"]["body"]["usage"]["prompt_tokens"] == len(expected)

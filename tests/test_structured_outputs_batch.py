@@ -10,7 +10,8 @@ import pytest
 from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, request, write_lines
 from test_structured_outputs import SCHEMA, check_schema
 
-from nanovllm import LLM, SamplingParams, StructuredOutputsParams, run_batch
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm import cli as command_line
 from nanovllm.data_parallel import DataParallel
 
 CHAT = "/v1/chat/completions"
@@ -48,7 +49,7 @@ def content(record: dict) -> str:
 def test_run_batch_constrains_each_line_and_a_bad_spec_is_its_own_error(tiny_model, tmp_path):
     inp = write_lines(tmp_path / "in.jsonl", lines())
     out = tmp_path / "out.jsonl"
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(out), "--model", tiny_model, *ENGINE]) == 0
     found = by_id(out)
     check_schema(json.loads(content(found["schema"]), strict=False))
     object_finish = found["object"]["response"]["body"]["choices"][0]["finish_reason"]
@@ -97,7 +98,7 @@ def test_sigkill_mid_run_then_resume_answers_each_constrained_line_once(tiny_mod
     assert sorted(resumed) == sorted([f"r{i}" for i in range(30)] + ["bad"])
     assert "does not compile" in resumed["bad"]["error"]["message"]
     reference = tmp_path / "reference.jsonl"
-    assert run_batch.main(["run-batch", "-i", inp, "-o", str(reference), "--model", tiny_model, *engine]) == 0
+    assert command_line.main(["run-batch", "-i", inp, "-o", str(reference), "--model", tiny_model, *engine]) == 0
     uninterrupted = by_id(reference)
     ok = [cid for cid in resumed if cid != "bad"]
     assert {cid: choices(resumed[cid]) for cid in ok} == {cid: choices(uninterrupted[cid]) for cid in ok}

@@ -9,8 +9,8 @@
 """
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, LayerKV
-from nanovllm.attention.kv_cache import KVCacheLayout
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.kv_cache import KVCacheLayout, LayerKV
 from nanovllm.config import ATTENTION_BACKENDS as BACKEND_NAMES
 from nanovllm.utils.flashinfer import flashinfer_installed
 

@@ -1,32 +1,11 @@
 """The attention backend interface: how a layer's new keys and values reach the paged KV cache, and how its
 queries read them back. One backend object serves every layer of a model; it is chosen once at startup."""
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from nanovllm.quantization.kv_quant import FP8
+# the cache's layout and a layer's slice of it live in kv_cache.py, which imports no backend: the arrow runs one way
+from nanovllm.attention.kv_cache import KVCacheLayout, LayerKV
 from nanovllm.utils.context import Context
-
-if TYPE_CHECKING:
-    from nanovllm.attention.kv_cache import KVCacheLayout
-
-
-@dataclass
-class LayerKV:
-    """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous. An FP8
-    cache (quantization/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
-    fixed before the first write (plain numbers: kernels take them as arguments, CUDA graphs capture them)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: float = 1.0
-    v_scale: float = 1.0
-
-    @property
-    def quantized(self) -> bool:
-        return self.k.dtype == FP8
 
 
 class AttentionBackend:
@@ -42,7 +21,7 @@ class AttentionBackend:
     def bind(self, num_kv_heads: int, max_num_seqs: int, device: torch.device) -> None:
         """Allocate per-engine scratch once the cache exists (before CUDA-graph capture)."""
 
-    def warm_up(self, layout: "KVCacheLayout", num_heads: int, dtype: torch.dtype) -> float:
+    def warm_up(self, layout: KVCacheLayout, num_heads: int, dtype: torch.dtype) -> float:
         """Compile or load, at start-up (after bind, before CUDA-graph capture), any kernel the backend would
         otherwise build at first use, mid-run; num_heads: this rank's query heads. Returns the seconds it took."""
         return 0.0

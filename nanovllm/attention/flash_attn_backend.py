@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.attention.backend import AttentionBackend, LayerKV
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.kv_cache import LayerKV
 from nanovllm.attention.qk_norm_rope import qk_norm_rope
 from nanovllm.quantization.kv_quant import to_fp8
 from nanovllm.utils.context import Context

@@ -3,8 +3,23 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.attention.backend import LayerKV
 from nanovllm.quantization.kv_quant import FP8
+
+
+@dataclass
+class LayerKV:
+    """One layer's slice of the paged cache: [blocks, block_size, kv_heads, head_dim] each, contiguous. An FP8
+    cache (quantization/kv_quant.py) holds x / scale, with one scale for the layer's keys and one for its values,
+    fixed before the first write (plain numbers: kernels take them as arguments, CUDA graphs capture them)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.dtype == FP8
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 import torch
 import torch.nn.functional as F
 
-from nanovllm.attention.backend import AttentionBackend, LayerKV
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.kv_cache import LayerKV
 from nanovllm.quantization.kv_quant import dequantize, quantize
 from nanovllm.utils.context import Context
 

@@ -1,8 +1,8 @@
 import torch
 from torch import nn
 
-from nanovllm.attention.backend import LayerKV
 from nanovllm.attention.flash_attn_backend import FlashAttnBackend
+from nanovllm.attention.kv_cache import LayerKV
 from nanovllm.attention.paged_decode import paged_decode_attention
 from nanovllm.attention.qk_norm_rope import KVDestination, qk_norm_rope
 from nanovllm.utils.context import Context

@@ -6,16 +6,20 @@ are forked later, by DataParallel after the driver's imports, so they start with
 the engine or transformers (counting GPUs imports torch)."""
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nanovllm import batch_io
-from nanovllm.batch_io import Done
-from nanovllm.batch_output import OutputBusy, OutputFile, check_writable
+from nanovllm.batch import io as batch_io
+from nanovllm.batch.flags import engine_options
+from nanovllm.batch.io import Done
+from nanovllm.batch.output import OutputBusy, OutputFile, check_writable
 from nanovllm.data_parallel.processes import visible_gpus, why_not_fork
-from nanovllm.engine_flags import engine_options
 
 if TYPE_CHECKING:
     from nanovllm.data_parallel.launch import LaunchedReplicas
@@ -41,6 +45,8 @@ def check_files(args: argparse.Namespace) -> BatchStart | int:
         scan = batch_io.scan_input(args.input_file)
     except OSError as error:
         return fail(f"cannot read the input: {error}")
+    if not scan.total:  # before the model: an empty input is more likely a mistake than a job
+        say(f"warning: {args.input_file} holds no requests (it is empty or blank); nothing to do")
     if scan.duplicates:  # before any work or output: a resumed run could not tell such requests apart
         named = "; ".join(f"{cid!r} on lines {', '.join(map(str, lines))}" for cid, lines in scan.duplicates.items())
         return fail(f"duplicate custom_id(s) in {args.input_file}: {named}")
@@ -95,6 +101,29 @@ def same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # either is missing (or unreadable): then they cannot be one existing file
         return False
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While the command runs, SIGTERM (kill, a job scheduler's stop, docker stop) does what Ctrl-C does: the
+    results so far are on disk, the engine and its replicas are stopped, and the message says how to resume. The
+    previous handler is back afterwards, so a caller's process (a test, a benchmark) keeps its own."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        handler = signal.getsignal(signal.SIGINT)  # one that holds Ctrl-C past a step holds this stop as well
+        if callable(handler) and handler is not signal.default_int_handler:
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def say(message: str) -> None:

@@ -1,5 +1,5 @@
 """The files of `nanovllm run-batch`: reading the JSONL input, the result records, and resuming (the output file
-while a run holds and appends to it is batch_output.py).
+while a run holds and appends to it is output.py).
 
 Resume guarantee: a record counts as written only once its whole line, newline included, is in the output file.
 Each record is written with one write() of the line plus its newline, so a kill (even SIGKILL) can leave at most
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from nanovllm.id_set import IdSet, digest
+from nanovllm.batch.id_set import IdSet, digest
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 LOGPROB_FLOOR = -9999.0  # what vLLM reports for -inf, which JSON cannot hold
@@ -56,6 +56,10 @@ def parse_line(raw: bytes) -> dict:
         raise LineError("invalid_json", f"not valid JSON: {type(error).__name__}: {error}") from None
     if not isinstance(request, dict):
         raise LineError("invalid_json", f"a request line must be a JSON object, not {type(request).__name__}")
+    given = request.get("custom_id")
+    if given is not None and not isinstance(given, str):  # OpenAI's batch API takes strings only: say so by name
+        raise LineError("invalid_custom_id", f"custom_id must be a string, got {type(given).__name__} {given!r} "
+                                             f"(write it in quotes: \"{given}\")")
     if custom_id_of(request) is None:
         raise LineError("missing_custom_id", "the request has no custom_id (a non-empty string)")
     return request

@@ -2,7 +2,7 @@
 
 A body field that would change the result and that is not supported is an error for its line, never ignored.
 """
-from nanovllm.batch_io import LineError
+from nanovllm.batch.io import LineError
 from nanovllm.engine.chat import normalize_message
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -25,6 +25,11 @@ NEUTRAL_VALUES = {"stream": (None, False), "stream_options": (None,), "echo": (N
 
 def check_fields(body: dict, url: str) -> None:
     """Refuse a body field we do not support unless its value changes nothing: never ignore one silently."""
+    # the body of the other endpoint: say what this one needs, not that the other's field is unsupported
+    needed, other = ("messages", "prompt") if url == CHAT else ("prompt", "messages")
+    if needed not in body:
+        hint = f" ({other} is for {COMPLETIONS if url == CHAT else CHAT})" if other in body else ""
+        raise LineError("invalid_request", f"{needed} is required for {url}{hint}")
     known = SAMPLING_FIELDS.keys() | IGNORED_FIELDS | OWN_FIELDS[url]
     for name, value in body.items():
         if name not in known and not (name in NEUTRAL_VALUES and value in NEUTRAL_VALUES[name]):

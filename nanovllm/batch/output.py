@@ -1,5 +1,5 @@
 """run-batch's output file while a run holds it: one writer at a time, records appended one write() each, and a
-write that fails (a full disk) reported as what it is. Reading an earlier run's output is batch_io.read_output.
+write that fails (a full disk) reported as what it is. Reading an earlier run's output is io.read_output.
 
 One writer: the file is locked (flock, exclusive, not waiting) from before the model loads to the end of the run.
 Two runs on one output would both answer every request, and a later resume would keep both answers; the second

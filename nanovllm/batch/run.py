@@ -1,4 +1,5 @@
-"""The run-batch command's work: OpenAI batch-format requests through the engine (the command line is in cli.py)."""
+"""The run-batch command's work: OpenAI batch-format requests through the engine. The command line is cli.py,
+which imports this module (at the engine's turn, once the files are checked); nothing here imports cli.py back."""
 import argparse
 import sys
 import time
@@ -6,16 +7,15 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from nanovllm import batch_io
-from nanovllm.batch_io import Done, LineError
-from nanovllm.batch_output import OutputWriter, WriteFailed
-from nanovllm.batch_requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
-from nanovllm.batch_start import BatchStart, check_files, fail, say, serial
-from nanovllm.cli import build_parser, main  # noqa: F401  (run_batch.main and build_parser, as before)
+from nanovllm.batch import io as batch_io
+from nanovllm.batch.flags import engine_options
+from nanovllm.batch.io import Done, LineError
+from nanovllm.batch.output import OutputWriter, WriteFailed
+from nanovllm.batch.requests import CHAT, COMPLETIONS, check_fields, prompt_of, sampling_params
+from nanovllm.batch.start import BatchStart, check_files, fail, say, serial, sigterm_as_interrupt
 from nanovllm.data_parallel import DataParallel, ReplicasLost
 from nanovllm.engine.progress import ProgressBar, TokenCounter
 from nanovllm.engine.startup import process_started
-from nanovllm.engine_flags import engine_options
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
         started: BatchStart | None = None) -> int:
     """The run-batch command. llm: an open engine to use instead of loading args.model (left open); engine_class:
     what each replica runs (benchmarks/data_parallel.py passes one that answers instantly); started: the files'
-    checks done, and replicas perhaps launched, before the engine was imported (batch_start.py, as cli.main does).
+    checks done, and replicas perhaps launched, before the engine was imported (start.py, as cli.main does).
 
     Exit codes: 0 done, 1 failed (nothing of an output that could not start is created or changed), 2 a usage
     error found before any work, 130 interrupted."""
@@ -110,7 +110,8 @@ def run(args: argparse.Namespace, llm: LLM | None = None, engine_class: type = L
     if isinstance(started, int):
         return started
     try:
-        return _run(args, llm, engine_class, started)
+        with sigterm_as_interrupt():
+            return _run(args, llm, engine_class, started)
     finally:  # the lock goes, and the output too where this run created it and wrote nothing
         started.output.release()
 
@@ -193,6 +194,3 @@ def _generate(args: argparse.Namespace, llm: LLM, out: OutputWriter, done: Done,
             body = batch_io.response_body(result, pending.chat, args.model, pending.top_logprobs)
             finish(batch_io.success_record(pending.custom_id, body))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
