@@ -41,6 +41,21 @@ def llm(padded_model):
         yield engine
 
 
+class Row:
+    """What the mask reads of a request (sampling/rows.py): no prompt, the tokens generated so far."""
+
+    def __init__(self, seq_id: int, grammar) -> None:
+        self.seq_id, self.grammar, self.token_ids, self.num_prompt_tokens = seq_id, grammar, [], 0
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
 def check_schema(value) -> None:
     """SCHEMA's rules, checked by hand (no validator needed where the GPU tests run)."""
     assert isinstance(value, dict) and set(value) == {"name", "age", "ok", "color"}, value
@@ -226,10 +241,6 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     vocab = 1024
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
 
-    class Row:  # what the mask reads of a request (sampling/rows.py)
-        def __init__(self, seq_id, grammar):
-            self.seq_id, self.grammar, self.completion_token_ids = seq_id, grammar, []
-
     from nanovllm.sampling.grammar import GrammarState
     rows = [Row(0, None), Row(1, GrammarState(compiler.submit(StructuredOutputsParams(choice=["yes", "no"])))),
             Row(2, None)]
@@ -247,21 +258,18 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
 @pytest.mark.gpu
 def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
     """The device path, step after step (both pinned buffers in turn; a constrained subset scattered by row, and
-    every row constrained): the logits it masks on the GPU equal xgrammar's CPU masking of the same logits."""
+    every row constrained; masks filled ahead after a step's sampling, or at the next start): the logits it masks
+    on the GPU equal xgrammar's CPU masking of the same logits."""
     tokenizer = AutoTokenizer.from_pretrained(padded_model)
     vocab = 1024
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
     from nanovllm.sampling.grammar import GrammarState
 
-    class Row:
-        def __init__(self, seq_id, grammar):
-            self.seq_id, self.grammar, self.completion_token_ids = seq_id, grammar, []
-
     specs = list(SPECS.values())
     rows = [Row(i, None if i % 3 == 0 else GrammarState(compiler.submit(specs[i % len(specs)]))) for i in range(9)]
     masks = GrammarMasks(vocab, 16, torch.device("cuda"), [tokenizer.eos_token_id])
     generator = torch.Generator().manual_seed(0)
-    for step in range(6):
+    for step in range(12):
         batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # subset, then all
         logits = torch.randn(len(batch), vocab, generator=generator)
         mask = masks.finish(masks.start(batch, lambda: {}))
@@ -269,17 +277,25 @@ def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
         mask.apply(on_device)
         expected = logits.clone()
         for i, row in enumerate(batch):
-            if row.grammar is not None:
+            if row.grammar is not None and row.grammar.matcher.is_terminated():  # it may only end (again)
+                end = expected[i, tokenizer.eos_token_id].item()
+                expected[i] = -float("inf")
+                expected[i, tokenizer.eos_token_id] = end
+            elif row.grammar is not None:
                 bitmask = xgr.allocate_token_bitmask(1, vocab)
                 row.grammar.matcher.fill_next_token_bitmask(bitmask)
                 xgr.apply_token_bitmask_inplace(expected[i:i + 1], bitmask)
         assert torch.equal(on_device.cpu(), expected), f"step {step}"
-        for i, row in enumerate(batch):  # each constrained row takes its best allowed token but the end, as a step
-            if row.grammar is not None:
-                scores = expected[i].clone()
-                scores[tokenizer.eos_token_id] = -float("inf")
-                if torch.isfinite(scores.max()):
-                    row.completion_token_ids = row.completion_token_ids + [int(scores.argmax())]
+        sampled = []
+        for i, row in enumerate(batch):  # each row takes its best allowed token but the end, as a step would
+            scores = expected[i].clone()
+            scores[tokenizer.eos_token_id] = -float("inf")
+            sampled.append(int(scores.argmax()))
+            if row.grammar is not None and not torch.isfinite(scores.max()):
+                sampled[-1] = tokenizer.eos_token_id  # the grammar is complete
+            row.token_ids = row.token_ids + [sampled[-1]]
+        if step % 3 != 2:  # the matchers take the tokens and fill ahead; every third step they wait for start
+            masks.after_sample(batch, [True] * len(batch), lambda sampled=sampled: sampled)
     compiler.close()
 
 

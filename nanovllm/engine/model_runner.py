@@ -267,7 +267,9 @@ class ModelRunner:
                 [seq.seq_id for seq in previous.seqs], previous.result()))) if self.rank == 0 else None
         finally:
             reset_context()
-        step.sample = lambda: self._sample(step, logits, sampling, mask)
+        # which rows' tokens are kept (a prefill chunk short of its prompt's end samples a token that is dropped)
+        kept = [end == len(seq) for seq, (_, end) in zip(seqs, step.spans)] if mask is not None else None
+        step.sample = lambda: self._sample(step, logits, sampling, mask, kept)
         if mask is None:
             self.finish(step)
         return step
@@ -279,7 +281,8 @@ class ModelRunner:
             sample, step.sample = step.sample, None
             sample()
 
-    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, mask: Future | None):
+    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, mask: Future | None,
+                kept: list[bool] | None) -> None:
         if self.rank == 0:
             if mask is not None:
                 sampling.grammar = self.sampler.finish_grammar_mask(mask)
@@ -290,5 +293,7 @@ class ModelRunner:
         self.tp.broadcast_from_first(token_ids)
         if self.rank == 0:
             step.copy_to_host(token_ids, logprobs)
+            if mask is not None:
+                self.sampler.grammar_after_sample(step.seqs, kept, step.result)
         else:
             step.token_ids = token_ids

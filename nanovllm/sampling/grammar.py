@@ -100,6 +100,9 @@ class GrammarState:
     matcher: Any = None
     num_accepted: int = 0
     rejected: bool = False  # a token the grammar refused was sampled (every allowed one banned): end the output
+    # where the matcher's next mask was filled ahead (sampling/grammar_mask.py): (buffer, generation, row,
+    # num_accepted then)
+    filled: tuple[int, int, int, int] | None = None
 
     def error(self) -> BaseException | None:
         """Why the grammar did not compile (ValueError), or None; waits for the compile."""

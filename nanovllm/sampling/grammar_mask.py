@@ -21,6 +21,7 @@ from nanovllm.utils.device import allowed_cpu_cores
 logger = logging.getLogger(__name__)
 # xgrammar's threads for one step's rows; the engine's own thread keeps a core
 FILL_THREADS = max(1, min(16, allowed_cpu_cores() - 1))
+TAIL = 8  # newest tokens of each row read at a step's start: a row's matcher is never further behind
 
 
 @dataclass
@@ -40,17 +41,28 @@ class StepMask:
 class GrammarMasks:
     """Bitmask buffers for batches of up to `max_rows` rows over a vocabulary of `vocab_size` (the logits' width):
     two pinned host buffers used in turn (one may still be copying while the next step fills the other) and their
-    device copies. `stop_token_ids`: what a row whose matcher refused a token may still sample."""
+    device copies. `stop_token_ids`: what a row whose matcher refused a token may still sample.
 
-    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, stop_token_ids: list[int]) -> None:
+    Each step's sampled tokens are taken as soon as the sampler is queued (`after_sample`): the worker waits for
+    them, and fills every constrained row's next mask into the buffer the next step uses, while the engine
+    schedules and launches that step. `start` then only fills what that did not (new requests, a row whose tokens
+    it missed), after the rows already filled."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device, stop_token_ids: list[int],
+                 generation: int = 0) -> None:
+        """generation: where the count of fills ahead starts (past a replaced GrammarMasks', whose marks on the
+        matchers must not match this one's)."""
         self.xgr = import_xgrammar()
         self.vocab_size, self.max_rows, self.device = vocab_size, max_rows, device
         width = -(-vocab_size // 32)
         pinned = device.type == "cuda"
-        self.host = [torch.zeros(max_rows, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        # twice the rows: a step's rows filled ahead, then the next step's own (at most a batch each)
+        self.host = [torch.zeros(2 * max_rows, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
-        self.device_rows = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
+        self.ahead = [(0, 0), (0, 0)]  # per buffer: (generation, rows) of the last fill ahead into it
+        self.generation = generation
+        self.device_rows = torch.zeros(2 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         # one thread, so steps' fills keep their order and a matcher is never used by two at once
@@ -59,12 +71,22 @@ class GrammarMasks:
         for token in stop_token_ids:
             self.stop_only[token // 32] |= _bit(token % 32)
 
+    def after_sample(self, seqs: list[SamplingRow], sampled: list[bool], tokens: Callable[[], list[int]]) -> None:
+        """A step's sampler is queued: take its tokens (tokens(): by row, waiting for them) into the matchers of its
+        constrained rows whose token is kept (sampled: not a prefill chunk short of its prompt's end), and fill
+        their next masks ahead, into the buffer the next step's `start` takes."""
+        work = [(row, seq.grammar, seq.seq_id) for row, (seq, kept) in enumerate(zip(seqs, sampled))
+                if seq.grammar is not None and kept]
+        if work:
+            self.generation += 1
+            self.worker.submit(self._fill_ahead, work, self.turn, self.generation, tokens)
+
     def start(self, seqs: list[SamplingRow], pending_tokens: Callable[[], dict[int, int]]) -> Future | None:
-        """Begin a step's mask for the constrained rows among `seqs` (None when there are none): the matchers take
-        their new tokens and fill the rows' bitmasks in a thread, while the caller goes on. pending_tokens(): the
-        tokens of the step in flight by seq_id, asked only if a constrained row feeds one. `finish` the result."""
-        # what each row generated since the last step, read now: the engine appends to the lists meanwhile
-        work = [(row, seq.grammar, seq.completion_token_ids[seq.grammar.num_accepted:], seq.seq_id)
+        """Begin a step's mask for the constrained rows among `seqs` (None when there are none), in the worker,
+        while the caller goes on. pending_tokens(): the tokens of the step in flight by seq_id, asked only if a
+        constrained row feeds one its matcher has not taken. `finish` the result."""
+        # each row's length and newest tokens, read now: the engine appends to the lists meanwhile
+        work = [(row, seq.grammar, seq.num_completion_tokens, seq.token_ids[-TAIL:], seq)
                 for row, seq in enumerate(seqs) if seq.grammar is not None]
         if not work:
             return None
@@ -73,52 +95,89 @@ class GrammarMasks:
 
     def finish(self, filled: Future) -> StepMask:
         """The mask `start` filled, queued for the device (on the caller's stream)."""
-        rows, batch, turn = filled.result()
+        rows, sources, used, batch, turn = filled.result()
         host = self.host[turn]
+        in_place = sources == list(range(len(rows))) and rows == list(range(batch))
         if self.device_rows is None:  # CPU: the logits are on the host too
-            if rows == list(range(batch)):
-                return StepMask(host[:len(rows)], None, self.vocab_size)
-            return StepMask(_scatter(host, rows, batch), rows, self.vocab_size)
-        compact = self.device_rows[:len(rows)]
-        compact.copy_(host[:len(rows)], non_blocking=True)
+            if in_place:
+                return StepMask(host[:batch], None, self.vocab_size)
+            full = torch.zeros(batch, host.size(1), dtype=torch.int32)
+            full[rows] = host[sources]
+            return StepMask(full, rows, self.vocab_size)
+        compact = self.device_rows[:used]
+        compact.copy_(host[:used], non_blocking=True)
         event = self.copied[turn] = torch.cuda.Event()
         event.record()
-        if rows == list(range(batch)):
-            return StepMask(compact, None, self.vocab_size)
-        index = torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        self.device_full.index_copy_(0, index, compact)
-        return StepMask(self.device_full[:batch], index, self.vocab_size)
+        if in_place:
+            return StepMask(compact[:batch], None, self.vocab_size)
+        index = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
+        self.device_full.index_copy_(0, index[0], compact.index_select(0, index[1]))
+        return StepMask(self.device_full[:batch], index[0], self.vocab_size)
 
     @torch.inference_mode()  # the buffers were made in the runner's inference mode; this thread has its own
-    def _fill(self, work: list[tuple[int, GrammarState, list[int], int]], batch: int, turn: int,
-              pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], int, int]:
-        states = [state for _, state, _, _ in work]
-        self._accept(work, pending_tokens)
-        host = self.host[turn]
+    def _fill_ahead(self, work: list[tuple[int, GrammarState, int]], turn: int, generation: int,
+                    tokens: Callable[[], list[int]]) -> None:
         if self.copied[turn] is not None:  # this buffer's last copy to the device must be done
             self.copied[turn].synchronize()
+        sampled = tokens()
+        self._accept([(state, [sampled[row]], seq_id) for row, state, seq_id in work])
+        self._fill_rows(self.host[turn], [state for _, state, _ in work], 0)
+        for j, (_, state, _) in enumerate(work):
+            state.filled = (turn, generation, j, state.num_accepted)
+        self.ahead[turn] = (generation, len(work))
+
+    @torch.inference_mode()
+    def _fill(self, work: list[tuple[int, GrammarState, int, list[int], SamplingRow]], batch: int, turn: int,
+              pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], list[int], int, int, int]:
+        pending, taking = None, []
+        for _, state, length, tail, seq in work:
+            missing = length - state.num_accepted
+            if missing <= 0:
+                continue
+            # the newest tokens are in the snapshot; older ones (never, in practice) are past any change
+            new = tail[-missing:] if missing <= len(tail) else seq.completion_token_ids[state.num_accepted:length]
+            if new[-1] == PENDING:
+                pending = pending_tokens() if pending is None else pending
+                new[-1] = pending[seq.seq_id]
+            taking.append((state, new, seq.seq_id))
+        self._accept(taking)
+        generation, used = self.ahead[turn]
+        if used + len(work) > self.host[turn].size(0):  # cannot happen with batches of max_rows; stay correct
+            used = 0
+        if used == 0 and self.copied[turn] is not None:  # nothing filled ahead waited for the last copy
+            self.copied[turn].synchronize()
+        sources, refill = [], []
+        for _, state, _, _, _ in work:
+            done = state.filled
+            if done is not None and done[:2] == (turn, generation) and done[3] == state.num_accepted:
+                sources.append(done[2])
+            else:
+                sources.append(used + len(refill))
+                refill.append(state)
+        self._fill_rows(self.host[turn], refill, used)
+        self.ahead[turn] = (0, 0)  # the next fill ahead into this buffer starts it again
+        return [row for row, *_ in work], sources, used + len(refill), batch, turn
+
+    def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], first: int) -> None:
+        """Rows first, first + 1, ... of host: each state's next mask."""
+        for state in states:
+            state.start(self.xgr)
         # a row whose request ended in the step in flight (its matcher took the stop token) is still in this
         # step, launched before the host knew: its token will be dropped, so any mask does
         live = [j for j, state in enumerate(states) if not state.rejected and not state.matcher.is_terminated()]
-        self.filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], host, live)
+        self.filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], host, [first + j for j in live])
         for j in sorted(set(range(len(states))) - set(live)):
-            host[j] = self.stop_only
-        return [row for row, _, _, _ in work], batch, turn
+            host[first + j] = self.stop_only
 
-    def _accept(self, work: list[tuple[int, GrammarState, list[int], int]],
-                pending_tokens: Callable[[], dict[int, int]]) -> None:
-        """Each matcher takes the tokens its request generated since the last step."""
-        pending = None
+    def _accept(self, work: list[tuple[GrammarState, list[int], int]]) -> None:
+        """Each matcher takes its new tokens (seq_id: for the log)."""
         single, single_tokens = [], []  # (seq_id, state) and its one new token
-        for _, state, new, seq_id in work:
+        for state, new, seq_id in work:
             state.start(self.xgr)
-            if new and new[-1] == PENDING:
-                pending = pending_tokens() if pending is None else pending
-                new[-1] = pending[seq_id]
             state.num_accepted += len(new)
-            if state.rejected or not new:
+            if state.rejected or state.matcher.is_terminated():
                 continue
-            if len(new) == 1:  # the usual decode step: one call for all of them
+            if len(new) == 1:  # the usual step: one call for all of them
                 single.append((seq_id, state))
                 single_tokens.append(new[0])
             elif not all(state.matcher.accept_token(token) for token in new):
@@ -140,9 +199,3 @@ class GrammarMasks:
 def _bit(position: int) -> int:
     # bit 31 of an int32 is its sign
     return (1 << position) - (1 << 32 if position == 31 else 0)
-
-
-def _scatter(compact: torch.Tensor, rows: list[int], batch: int) -> torch.Tensor:
-    full = torch.zeros(batch, compact.size(1), dtype=torch.int32)
-    full[rows] = compact[:len(rows)]
-    return full

@@ -174,11 +174,16 @@ class Sampler(nn.Module):
             if masks is not None and logits.is_cuda:
                 torch.cuda.synchronize()  # no copy from the old buffers may still be queued
             self.grammar_masks = masks = GrammarMasks(logits.size(1), max(256, len(seqs)), logits.device,
-                                                      list(self.eos_token_ids))
+                                                      list(self.eos_token_ids), masks.generation + 1 if masks else 0)
         return masks.start(seqs, pending_tokens)
 
     def finish_grammar_mask(self, filled: Future) -> StepMask:
         return self.grammar_masks.finish(filled)
+
+    def grammar_after_sample(self, seqs: list[SamplingRow], sampled: list[bool], tokens: Callable[[], list[int]]):
+        """A constrained step's sampler is queued: its tokens go to the matchers and their next masks are filled
+        ahead, while the engine prepares the next step (sampling/grammar_mask.py)."""
+        self.grammar_masks.after_sample(seqs, sampled, tokens)
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         if params.grammar is not None:  # so logprobs, as vLLM's, are of the constrained distribution
