@@ -53,6 +53,22 @@ def cli(*args: str, **popen) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, encoding="utf-8", errors="replace", **popen)
 
 
+def kill_after_records(proc: subprocess.Popen, out, count: int) -> int:
+    """SIGKILL a run once its output holds `count` records; returns how many complete ones it holds then (the kill
+    may have torn one more)."""
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while (not out.exists() or out.read_bytes().count(b"\n") < count) and proc.poll() is None:
+            assert time.monotonic() < deadline, "the run wrote nothing"
+            time.sleep(0.02)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=TIMEOUT)
+    written = out.read_bytes().count(b"\n")
+    assert written >= count, f"the run ended with {written} records, before the kill"
+    return written
+
+
 def choices(record: dict) -> list:
     """What must not change between runs: everything in a result but its ids and timestamp."""
     body = record["response"]["body"]
@@ -298,17 +314,8 @@ def test_sigkill_mid_run_then_resume_answers_each_request_once(tiny_model, tmp_p
     inp = write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     engine = [*ENGINE, "--max-num-seqs", "4"]  # requests finish a few at a time
-    proc = cli("-i", inp, "-o", str(out), "--model", tiny_model, *engine)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while (not out.exists() or out.read_bytes().count(b"\n") < 3) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the run wrote nothing"
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=TIMEOUT)
-    written = out.read_bytes().count(b"\n")  # complete records; the kill may have torn one more
-    assert 3 <= written < 40, "the kill should land mid-run"
+    written = kill_after_records(cli("-i", inp, "-o", str(out), "--model", tiny_model, *engine), out, 3)
+    assert written < 40, "the kill should land mid-run"
     with open(out, "a") as f:  # and as if it had also landed mid-write
         f.write('{"id": "batch_req_torn", "custom_id": "r0", "response": {"status_')
     proc = cli("-i", inp, "-o", str(out), "--model", tiny_model, *engine)

@@ -3,11 +3,9 @@ does not compile is its line's error; kill -9 and resume answers each line once)
 parallelism over processes."""
 import json
 import re
-import signal
-import time
 
 import pytest
-from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, request, write_lines
+from test_run_batch import ENGINE, TIMEOUT, by_id, choices, cli, kill_after_records, request, write_lines
 from test_structured_outputs import SCHEMA, check_schema
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
@@ -80,17 +78,8 @@ def test_sigkill_mid_run_then_resume_answers_each_constrained_line_once(tiny_mod
     inp = write_lines(tmp_path / "in.jsonl", batch)
     out = tmp_path / "out.jsonl"
     engine = [*ENGINE, "--max-num-seqs", "2"]
-    proc = cli("-i", inp, "-o", str(out), "--model", tiny_model, *engine)
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while (not out.exists() or out.read_bytes().count(b"\n") < 3) and proc.poll() is None:
-            assert time.monotonic() < deadline, "the run wrote nothing"
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=TIMEOUT)
-    written = out.read_bytes().count(b"\n")
-    assert 3 <= written < len(batch), "the kill should land mid-run"
+    written = kill_after_records(cli("-i", inp, "-o", str(out), "--model", tiny_model, *engine), out, 3)
+    assert written < len(batch), "the kill should land mid-run"
     proc = cli("-i", inp, "-o", str(out), "--model", tiny_model, *engine)
     _, stderr = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, stderr
