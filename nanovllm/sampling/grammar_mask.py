@@ -1,12 +1,12 @@
 """Structured outputs, sampling: one step's token mask for its constrained rows.
 
-The model runner launches a step's forward first, then calls `GrammarMasks.start`: with async scheduling a
-constrained row's newest token may still be on the device (PENDING), so a worker thread waits for the step before
-(which finished before this step's forward began), lets each matcher take its new tokens, and fills the rows'
-bitmasks (xgrammar, many threads, GIL released) into pinned memory, while the device runs the forward and the
-engine's thread completes the step before. Then `finish` queues the copy to the device, and the sampler applies
-the mask to the logits before anything else (`StepMask.apply`, xgrammar's kernel). A step without constrained
-rows never comes here."""
+A worker thread keeps the matchers: as soon as a step's sampler is queued (`GrammarMasks.after_sample`) it waits
+for the step's tokens, lets each matcher take its new one, and fills the rows' next bitmasks (xgrammar, many
+threads, GIL released) into pinned memory, while the engine's thread completes the step before and schedules and
+launches the next. That step's `start`, after its forward is launched, fills only rows not filled ahead (new
+requests; with async scheduling a row's newest token may still be PENDING on the host, taken from the step in
+flight), then `finish` queues the copy to the device, and the sampler applies the mask to the logits before
+anything else (`StepMask.apply`, xgrammar's kernel). A step without constrained rows never comes here."""
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,7 +79,7 @@ class GrammarMasks:
                 if seq.grammar is not None and kept]
         if work:
             self.generation += 1
-            self.worker.submit(self._fill_ahead, work, self.turn, self.generation, tokens)
+            self.worker.submit(self._fill_ahead, work, self.turn, self.generation, tokens).add_done_callback(_logged)
 
     def start(self, seqs: list[SamplingRow], pending_tokens: Callable[[], dict[int, int]]) -> Future | None:
         """Begin a step's mask for the constrained rows among `seqs` (None when there are none), in the worker,
@@ -194,6 +194,12 @@ class GrammarMasks:
         logger.warning("constrained request %d sampled a token its grammar refuses (were all the allowed tokens "
                        "banned by bad_words?): it may only end now", seq_id)
         state.rejected = True
+
+
+def _logged(done: Future) -> None:
+    # nothing waits for a fill ahead: its failure would go unseen (the next start fills those rows itself)
+    if done.exception() is not None:
+        logger.error("filling structured-output masks ahead failed", exc_info=done.exception())
 
 
 def _bit(position: int) -> int:
