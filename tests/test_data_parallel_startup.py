@@ -476,3 +476,27 @@ run_batch.run = run
     else:
         assert result.returncode == 1 and "RuntimeError: boom" in result.stderr, result.stderr[-3000:]
     assert "replicas launched early" in result.stderr and not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no POSIX signal masks on this platform")
+def test_the_hold_keeps_an_interrupt_another_thread_takes():
+    """A process-directed SIGINT goes to any thread that does not block it, and Python raises it in the main
+    thread all the same: with another thread running, a mask on the launching thread alone let it through mid-
+    launch (the replicas after it never started). The hold records it and raises it once it ends."""
+    code = """
+import os, signal, threading, time
+from nanovllm.data_parallel.processes import interrupts_held
+threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+order = []
+try:
+    with interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        order.append("held")
+    order.append("not raised")
+except KeyboardInterrupt:
+    order.append("raised")
+print(order, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "['held', 'raised'] True", done.stdout + done.stderr

@@ -143,11 +143,24 @@ def interrupts_held() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
         yield
         return
+    # a mask holds only this thread: the kernel hands a process-directed signal (kill, Ctrl-C) to any thread that
+    # does not block it, and Python then raises in the main thread all the same. So the main thread also records
+    # what arrives meanwhile and raises it again once the hold ends
+    held: list[int] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for number in INTERRUPTS:
+            if signal.getsignal(number) not in (signal.SIG_IGN, None):
+                handlers[number] = signal.signal(number, lambda number, frame: held.append(number))
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPTS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a signal pending here is recorded too
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        for number in dict.fromkeys(held):
+            signal.raise_signal(number)
 
 
 class ProcessReplicas:
