@@ -9,6 +9,7 @@ import time
 
 import pytest
 from test_data_parallel import OPTIONS
+from test_data_parallel_startup import is_running
 
 pytestmark = [pytest.mark.slow,  # processes: seconds each
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, signals and /proc are Linux's")]
@@ -130,15 +131,6 @@ time.sleep(600)
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
         driver.stdout.close()
-
-
-def is_running(pid: int) -> bool:
-    """Whether `pid` is a live process (a zombie, dead and not yet reaped by init, is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_the_stop_does_not_run_the_callers_sigint_handler(tiny_model):
