@@ -255,11 +255,21 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     compiler.close()
 
 
+def test_masks_step_by_step_equal_xgrammar_own(padded_model):
+    """The host path, step after step: every step's mask equals xgrammar's own, each matcher took its own row's
+    tokens, and one that took the end is marked terminated."""
+    _masks_step_by_step(padded_model, torch.device("cpu"))
+
+
 @pytest.mark.gpu
 def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
     """The device path, step after step (both pinned buffers in turn; a constrained subset scattered by row, and
     every row constrained; masks filled ahead after a step's sampling, or at the next start): the logits it masks
     on the GPU equal xgrammar's CPU masking of the same logits."""
+    _masks_step_by_step(padded_model, torch.device("cuda"))
+
+
+def _masks_step_by_step(padded_model: str, device: torch.device) -> None:
     tokenizer = AutoTokenizer.from_pretrained(padded_model)
     vocab = 1024
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
@@ -267,13 +277,13 @@ def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
 
     specs = list(SPECS.values())
     rows = [Row(i, None if i % 3 == 0 else GrammarState(compiler.submit(specs[i % len(specs)]))) for i in range(9)]
-    masks = GrammarMasks(vocab, 16, torch.device("cuda"), [tokenizer.eos_token_id])
+    masks = GrammarMasks(vocab, 16, device, [tokenizer.eos_token_id])
     generator = torch.Generator().manual_seed(0)
     for step in range(12):
         batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # subset, then all
         logits = torch.randn(len(batch), vocab, generator=generator)
         mask = masks.finish(masks.start(batch, lambda: {}))
-        on_device = logits.cuda()
+        on_device = logits.to(device)
         mask.apply(on_device)
         expected = logits.clone()
         for i, row in enumerate(batch):
@@ -296,6 +306,13 @@ def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
             row.token_ids = row.token_ids + [sampled[-1]]
         if step % 3 != 2:  # the matchers take the tokens and fill ahead; every third step they wait for start
             masks.after_sample(batch, [True] * len(batch), lambda sampled=sampled: sampled)
+    masks.finish(masks.start(rows, lambda: {}))  # every matcher takes the last step's tokens
+    for row in rows:
+        if row.grammar is not None:
+            fresh = xgr.GrammarMatcher(row.grammar.compiled.result())
+            taken = row.token_ids[:row.grammar.num_accepted]
+            assert len(taken) == 12 and all(fresh.accept_token(t) for t in taken if not fresh.is_terminated())
+            assert not row.grammar.rejected and row.grammar.terminated == fresh.is_terminated()
     compiler.close()
 
 

@@ -100,6 +100,8 @@ class GrammarState:
     matcher: Any = None
     num_accepted: int = 0
     rejected: bool = False  # a token the grammar refused was sampled (every allowed one banned): end the output
+    terminated: bool = False  # the matcher took a stop token: the output ends
+    stop_token_ids: frozenset[int] = frozenset()  # the matcher's, read once: which tokens may terminate it
     # where the matcher's next mask was filled ahead (sampling/grammar_mask.py): (buffer, generation, row,
     # num_accepted then)
     filled: tuple[int, int, int, int] | None = None
@@ -108,7 +110,13 @@ class GrammarState:
         """Why the grammar did not compile (ValueError), or None; waits for the compile."""
         return self.compiled.exception()
 
+    @property
+    def ended(self) -> bool:
+        """No mask of its own any more: only a stop token may follow."""
+        return self.rejected or self.terminated
+
     def start(self, xgr: Any) -> Any:
         if self.matcher is None:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())
+            self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
         return self.matcher

@@ -120,16 +120,17 @@ class GrammarMasks:
         if self.copied[turn] is not None:  # this buffer's last copy to the device must be done
             self.copied[turn].synchronize()
         sampled = tokens()
-        self._accept([(state, [sampled[row]], seq_id) for row, state, seq_id in work])
-        self._fill_rows(self.host[turn], [state for _, state, _ in work], 0)
-        for j, (_, state, _) in enumerate(work):
+        states = [state for _, state, _ in work]
+        self._take(states, [sampled[row] for row, _, _ in work], [seq_id for _, _, seq_id in work])
+        self._fill_rows(self.host[turn], states, 0)
+        for j, state in enumerate(states):
             state.filled = (turn, generation, j, state.num_accepted)
         self.ahead[turn] = (generation, len(work))
 
     @torch.inference_mode()
     def _fill(self, work: list[tuple[int, GrammarState, int, list[int], SamplingRow]], batch: int, turn: int,
               pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], list[int], int, int, int]:
-        pending, taking = None, []
+        pending, single, several = None, ([], [], []), []
         for _, state, length, tail, seq in work:
             missing = length - state.num_accepted
             if missing <= 0:
@@ -139,8 +140,13 @@ class GrammarMasks:
             if new[-1] == PENDING:
                 pending = pending_tokens() if pending is None else pending
                 new[-1] = pending[seq.seq_id]
-            taking.append((state, new, seq.seq_id))
-        self._accept(taking)
+            if missing == 1:
+                for column, value in zip(single, (state, new[0], seq.seq_id)):
+                    column.append(value)
+            else:
+                several.append((state, new, seq.seq_id))
+        self._take(*single)
+        self._take_several(several)
         generation, used = self.ahead[turn]
         if used + len(work) > self.host[turn].size(0):  # cannot happen with batches of max_rows; stay correct
             used = 0
@@ -161,33 +167,42 @@ class GrammarMasks:
     def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], first: int) -> None:
         """Rows first, first + 1, ... of host: each state's next mask."""
         for state in states:
-            state.start(self.xgr)
+            if state.matcher is None:
+                state.start(self.xgr)
         # a row whose request ended in the step in flight (its matcher took the stop token) is still in this
         # step, launched before the host knew: its token will be dropped, so any mask does
-        live = [j for j, state in enumerate(states) if not state.rejected and not state.matcher.is_terminated()]
+        live = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
         self.filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], host, [first + j for j in live])
-        for j in sorted(set(range(len(states))) - set(live)):
-            host[first + j] = self.stop_only
+        if len(live) < len(states):
+            for j in sorted(set(range(len(states))) - set(live)):
+                host[first + j] = self.stop_only
 
-    def _accept(self, work: list[tuple[GrammarState, list[int], int]]) -> None:
-        """Each matcher takes its new tokens (seq_id: for the log)."""
-        single, single_tokens = [], []  # (seq_id, state) and its one new token
+    def _take(self, states: list[GrammarState], tokens: list[int], seq_ids: list[int]) -> None:
+        """Each matcher takes its one new token (seq_ids: for the log), in one call: Python per row is kept to a
+        minimum, as this thread shares the GIL with the engine's."""
+        for state in states:
+            state.num_accepted += 1
+            if state.matcher is None:
+                state.start(self.xgr)
+        open_rows = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
+        accepted = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
+                                                                   [tokens[j] for j in open_rows])
+        for j, ok in zip(open_rows, accepted):
+            if not ok:
+                self._reject(seq_ids[j], states[j])
+            elif tokens[j] in states[j].stop_token_ids:
+                states[j].terminated = states[j].matcher.is_terminated()
+
+    def _take_several(self, work: list[tuple[GrammarState, list[int], int]]) -> None:
+        """Matchers more than one token behind (a row that missed a step's fill) take theirs one by one."""
         for state, new, seq_id in work:
             state.start(self.xgr)
             state.num_accepted += len(new)
-            if state.rejected or state.matcher.is_terminated():
+            if state.rejected or state.terminated:
                 continue
-            if len(new) == 1:  # the usual step: one call for all of them
-                single.append((seq_id, state))
-                single_tokens.append(new[0])
-            elif not all(state.matcher.accept_token(token) for token in new):
+            if not all(state.matcher.accept_token(token) for token in new):
                 self._reject(seq_id, state)
-        if single:
-            accepted = self.xgr.BatchGrammarMatcher.batch_accept_token([s.matcher for _, s in single],
-                                                                       single_tokens)
-            for (seq_id, state), ok in zip(single, accepted):
-                if not ok:
-                    self._reject(seq_id, state)
+            state.terminated = state.matcher.is_terminated()
 
     @staticmethod
     def _reject(seq_id: int, state: GrammarState) -> None:
