@@ -261,10 +261,54 @@ def test_masks_step_by_step_equal_xgrammar_own(padded_model):
     _masks_step_by_step(padded_model, torch.device("cpu"))
 
 
+def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_model):
+    """Rows A and B sample a step, a step of only a new request C follows (a prefill of others), then all three
+    sample: A's and B's masks, filled ahead after their step into the other buffer, are used as they are, and only
+    C's first mask is filled when its step starts. Each step's mask equals xgrammar's own."""
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    vocab = 1024
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    from nanovllm.sampling.grammar import GrammarState
+
+    a, b, c = (Row(i, GrammarState(compiler.submit(spec))) for i, spec in enumerate(
+        [SPECS["json_text_compact"], SPECS["regex"], SPECS["choice"]]))
+    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    filled = []  # per fill of rows: how many, the step's start's first
+    fill_rows = masks._fill_rows
+    masks._fill_rows = lambda host, states, first: (filled.append(len(states)), fill_rows(host, states, first))
+
+    def step(batch: list[Row]) -> None:
+        filled.clear()
+        mask = masks.finish(masks.start(batch, lambda: {}))
+        logits = torch.zeros(len(batch), vocab)
+        mask.apply(logits)
+        tokens = []
+        for i, row in enumerate(batch):
+            expected = xgr.allocate_token_bitmask(1, vocab)
+            row.grammar.matcher.fill_next_token_bitmask(expected)
+            expected_logits = torch.zeros(1, vocab)
+            xgr.apply_token_bitmask_inplace(expected_logits, expected)
+            assert torch.equal(logits[i], expected_logits[0]), f"row {row.seq_id}"
+            allowed = torch.isfinite(logits[i]).nonzero().flatten()
+            tokens.append(int(allowed[allowed != tokenizer.eos_token_id][0]))
+            row.token_ids = row.token_ids + [tokens[-1]]
+        masks.after_sample(batch, [True] * len(batch), lambda: tokens)
+        masks.worker.submit(lambda: None).result()  # the fill ahead is done
+
+    step([a, b])
+    step([c])
+    assert filled == [1, 1]  # C's first mask at the start, its next one ahead
+    step([a, b, c])
+    assert filled == [0, 3], "A's and B's masks were filled again at the step's start"
+    step([a, b, c])
+    compiler.close()
+
+
 @pytest.mark.gpu
 def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
     """The device path, step after step (both pinned buffers in turn; a constrained subset scattered by row, and
-    every row constrained; masks filled ahead after a step's sampling, or at the next start): the logits it masks
+    every row constrained; rows sitting out a step; masks filled ahead after a step's sampling, or at the next
+    start): the logits it masks
     on the GPU equal xgrammar's CPU masking of the same logits."""
     _masks_step_by_step(padded_model, torch.device("cuda"))
 
@@ -280,7 +324,9 @@ def _masks_step_by_step(padded_model: str, device: torch.device) -> None:
     masks = GrammarMasks(vocab, 16, device, [tokenizer.eos_token_id])
     generator = torch.Generator().manual_seed(0)
     for step in range(12):
-        batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # subset, then all
+        batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # all, then a subset
+        if step % 4 == 3:  # some constrained rows sit out a step (a prefill of other requests)
+            batch = [r for r in batch if r.seq_id % 2 == 0]
         logits = torch.randn(len(batch), vocab, generator=generator)
         mask = masks.finish(masks.start(batch, lambda: {}))
         on_device = logits.to(device)
@@ -311,7 +357,8 @@ def _masks_step_by_step(padded_model: str, device: torch.device) -> None:
         if row.grammar is not None:
             fresh = xgr.GrammarMatcher(row.grammar.compiled.result())
             taken = row.token_ids[:row.grammar.num_accepted]
-            assert len(taken) == 12 and all(fresh.accept_token(t) for t in taken if not fresh.is_terminated())
+            assert len(taken) == len(row.token_ids)
+            assert all(fresh.accept_token(t) for t in taken if not fresh.is_terminated())
             assert not row.grammar.rejected and row.grammar.terminated == fresh.is_terminated()
     compiler.close()
 

@@ -46,7 +46,8 @@ class GrammarMasks:
     Each step's sampled tokens are taken as soon as the sampler is queued (`after_sample`): the worker waits for
     them, and fills every constrained row's next mask into the buffer the next step uses, while the engine
     schedules and launches that step. `start` then only fills what that did not (new requests, a row whose tokens
-    it missed), after the rows already filled."""
+    it missed), after the rows already filled; a row that sat out the step before (a prefill of other requests)
+    takes its mask from the other buffer, where it was filled ahead."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device, stop_token_ids: list[int],
                  generation: int = 0) -> None:
@@ -62,7 +63,7 @@ class GrammarMasks:
         self.turn = 0
         self.ahead = [(0, 0), (0, 0)]  # per buffer: (generation, rows) of the last fill ahead into it
         self.generation = generation
-        self.device_rows = torch.zeros(2 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
+        self.device_rows = torch.zeros(4 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         # one thread, so steps' fills keep their order and a matcher is never used by two at once
@@ -96,22 +97,30 @@ class GrammarMasks:
     def finish(self, filled: Future) -> StepMask:
         """The mask `start` filled, queued for the device (on the caller's stream)."""
         rows, sources, used, batch, turn = filled.result()
-        host = self.host[turn]
-        in_place = sources == list(range(len(rows))) and rows == list(range(batch))
+        span = self.host[0].size(0)  # sources index both host buffers, the second after the first
+        in_place = rows == list(range(batch)) and sources == list(range(turn * span, turn * span + batch))
         if self.device_rows is None:  # CPU: the logits are on the host too
             if in_place:
-                return StepMask(host[:batch], None, self.vocab_size)
-            full = torch.zeros(batch, host.size(1), dtype=torch.int32)
-            full[rows] = host[sources]
+                return StepMask(self.host[turn][:batch], None, self.vocab_size)
+            full = torch.zeros(batch, self.host[0].size(1), dtype=torch.int32)
+            for buffer, host in enumerate(self.host):
+                picked = [(row, source - buffer * span) for row, source in zip(rows, sources)
+                          if source // span == buffer]
+                if picked:
+                    to, source = zip(*picked)
+                    full[list(to)] = host[list(source)]
             return StepMask(full, rows, self.vocab_size)
-        compact = self.device_rows[:used]
-        compact.copy_(host[:used], non_blocking=True)
-        event = self.copied[turn] = torch.cuda.Event()
+        event = torch.cuda.Event()
+        for buffer, count in enumerate(used):
+            if count:
+                first = buffer * span
+                self.device_rows[first:first + count].copy_(self.host[buffer][:count], non_blocking=True)
+                self.copied[buffer] = event
         event.record()
         if in_place:
-            return StepMask(compact[:batch], None, self.vocab_size)
+            return StepMask(self.device_rows[turn * span:turn * span + batch], None, self.vocab_size)
         index = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        self.device_full.index_copy_(0, index[0], compact.index_select(0, index[1]))
+        self.device_full.index_copy_(0, index[0], self.device_rows.index_select(0, index[1]))
         return StepMask(self.device_full[:batch], index[0], self.vocab_size)
 
     @torch.inference_mode()  # the buffers were made in the runner's inference mode; this thread has its own
@@ -129,7 +138,7 @@ class GrammarMasks:
 
     @torch.inference_mode()
     def _fill(self, work: list[tuple[int, GrammarState, int, list[int], SamplingRow]], batch: int, turn: int,
-              pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], list[int], int, int, int]:
+              pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], list[int], list[int], int, int]:
         pending, single, several = None, ([], [], []), []
         for _, state, length, tail, seq in work:
             missing = length - state.num_accepted
@@ -147,22 +156,32 @@ class GrammarMasks:
                 several.append((state, new, seq.seq_id))
         self._take(*single)
         self._take_several(several)
-        generation, used = self.ahead[turn]
-        if used + len(work) > self.host[turn].size(0):  # cannot happen with batches of max_rows; stay correct
-            used = 0
-        if used == 0 and self.copied[turn] is not None:  # nothing filled ahead waited for the last copy
-            self.copied[turn].synchronize()
-        sources, refill = [], []
+        # a row's mask filled ahead may be in either buffer: one that sat out the last step (a prefill of other
+        # requests) has it in the buffer before
+        span, other = self.host[turn].size(0), turn ^ 1
+        (generation, used), (other_generation, other_used) = self.ahead[turn], self.ahead[other]
+        if used + len(work) > span:  # cannot happen with batches of max_rows; stay correct
+            generation, used = -1, 0
+            self.ahead[turn] = (0, 0)
+        sources, refill, from_other = [], [], False
         for _, state, _, _, _ in work:
             done = state.filled
-            if done is not None and done[:2] == (turn, generation) and done[3] == state.num_accepted:
-                sources.append(done[2])
-            else:
-                sources.append(used + len(refill))
-                refill.append(state)
+            if done is not None and done[3] == state.num_accepted:
+                if done[:2] == (turn, generation):
+                    sources.append(turn * span + done[2])
+                    continue
+                if done[:2] == (other, other_generation):
+                    sources.append(other * span + done[2])
+                    from_other = True
+                    continue
+            sources.append(turn * span + used + len(refill))
+            refill.append(state)
+        if refill and self.copied[turn] is not None:  # the rows past those filled ahead may still be copying
+            self.copied[turn].synchronize()
         self._fill_rows(self.host[turn], refill, used)
-        self.ahead[turn] = (0, 0)  # the next fill ahead into this buffer starts it again
-        return [row for row, *_ in work], sources, used + len(refill), batch, turn
+        counts = [0, 0]
+        counts[turn], counts[other] = used + len(refill), other_used if from_other else 0
+        return [row for row, *_ in work], sources, counts, batch, turn
 
     def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], first: int) -> None:
         """Rows first, first + 1, ... of host: each state's next mask."""
