@@ -255,10 +255,12 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     compiler.close()
 
 
-def test_masks_step_by_step_equal_xgrammar_own(padded_model):
+@pytest.mark.parametrize("public_accept", [False, True])
+def test_masks_step_by_step_equal_xgrammar_own(padded_model, public_accept):
     """The host path, step after step: every step's mask equals xgrammar's own, each matcher took its own row's
-    tokens, and one that took the end is marked terminated."""
-    _masks_step_by_step(padded_model, torch.device("cpu"))
+    tokens, and one that took the end is marked terminated; also with xgrammar's public batch accept (what an
+    xgrammar whose binding differs gets)."""
+    _masks_step_by_step(padded_model, torch.device("cpu"), public_accept)
 
 
 def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_model):
@@ -304,6 +306,36 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     compiler.close()
 
 
+def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
+    """A row whose sampled token its mask did not allow (every allowed token banned, say) is marked rejected and may
+    only end; the row beside it, whose token was allowed, goes on as xgrammar's own matcher would."""
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    vocab = 1024
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    from nanovllm.sampling.grammar import GrammarState
+
+    bad, good = (Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(["choice", "regex"]))
+    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    logits = torch.zeros(2, vocab)
+    masks.finish(masks.start([bad, good], lambda: {})).apply(logits)
+    refused = int(torch.isinf(logits[0]).nonzero()[0])
+    allowed = int(torch.isfinite(logits[1]).nonzero()[-1])
+    bad.token_ids, good.token_ids = [refused], [allowed]
+    masks.after_sample([bad, good], [True, True], lambda: [refused, allowed])
+    logits = torch.zeros(2, vocab)
+    masks.finish(masks.start([bad, good], lambda: {})).apply(logits)
+    assert bad.grammar.rejected and not good.grammar.rejected
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    own = xgr.GrammarMatcher(good.grammar.compiled.result())
+    assert own.accept_token(allowed)
+    expected = xgr.allocate_token_bitmask(1, vocab)
+    own.fill_next_token_bitmask(expected)
+    expected_logits = torch.zeros(1, vocab)
+    xgr.apply_token_bitmask_inplace(expected_logits, expected)
+    assert torch.equal(logits[1], expected_logits[0])
+    compiler.close()
+
+
 @pytest.mark.gpu
 def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
     """The device path, step after step (both pinned buffers in turn; a constrained subset scattered by row, and
@@ -313,7 +345,7 @@ def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
     _masks_step_by_step(padded_model, torch.device("cuda"))
 
 
-def _masks_step_by_step(padded_model: str, device: torch.device) -> None:
+def _masks_step_by_step(padded_model: str, device: torch.device, public_accept: bool = False) -> None:
     tokenizer = AutoTokenizer.from_pretrained(padded_model)
     vocab = 1024
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
@@ -322,6 +354,9 @@ def _masks_step_by_step(padded_model: str, device: torch.device) -> None:
     specs = list(SPECS.values())
     rows = [Row(i, None if i % 3 == 0 else GrammarState(compiler.submit(specs[i % len(specs)]))) for i in range(9)]
     masks = GrammarMasks(vocab, 16, device, [tokenizer.eos_token_id])
+    assert masks.core is not None, "this xgrammar changed the binding _accept_binding calls: the fast accept is off"
+    if public_accept:
+        masks.core = None
     generator = torch.Generator().manual_seed(0)
     for step in range(12):
         batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # all, then a subset

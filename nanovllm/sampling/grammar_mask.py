@@ -11,7 +11,9 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from nanovllm.sampling.grammar import GrammarState, import_xgrammar
@@ -66,9 +68,12 @@ class GrammarMasks:
         self.device_rows = torch.zeros(4 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
+        self.core = _accept_binding(self.xgr)
+        self.sampled_under: dict[int, int] = {}
+        self.host_views = [host.numpy() for host in self.host]  # the same memory, read without torch calls
         # one thread, so steps' fills keep their order and a matcher is never used by two at once
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask")
-        self.stop_only = torch.zeros(width, dtype=torch.int32)
+        self.stop_only = np.zeros(width, dtype=np.int32)
         for token in stop_token_ids:
             self.stop_only[token // 32] |= _bit(token % 32)
 
@@ -76,7 +81,8 @@ class GrammarMasks:
         """A step's sampler is queued: take its tokens (tokens(): by row, waiting for them) into the matchers of its
         constrained rows whose token is kept (sampled: not a prefill chunk short of its prompt's end), and fill
         their next masks ahead, into the buffer the next step's `start` takes."""
-        work = [(row, seq.grammar, seq.seq_id) for row, (seq, kept) in enumerate(zip(seqs, sampled))
+        under, self.sampled_under = self.sampled_under, {}
+        work = [(row, seq.grammar, seq.seq_id, under.get(row)) for row, (seq, kept) in enumerate(zip(seqs, sampled))
                 if seq.grammar is not None and kept]
         if work:
             self.generation += 1
@@ -98,6 +104,7 @@ class GrammarMasks:
         """The mask `start` filled, queued for the device (on the caller's stream)."""
         rows, sources, used, batch, turn = filled.result()
         span = self.host[0].size(0)  # sources index both host buffers, the second after the first
+        self.sampled_under = dict(zip(rows, sources))  # for after_sample: the mask each row is sampled under
         in_place = rows == list(range(batch)) and sources == list(range(turn * span, turn * span + batch))
         if self.device_rows is None:  # CPU: the logits are on the host too
             if in_place:
@@ -124,14 +131,17 @@ class GrammarMasks:
         return StepMask(self.device_full[:batch], index[0], self.vocab_size)
 
     @torch.inference_mode()  # the buffers were made in the runner's inference mode; this thread has its own
-    def _fill_ahead(self, work: list[tuple[int, GrammarState, int]], turn: int, generation: int,
+    def _fill_ahead(self, work: list[tuple[int, GrammarState, int, int | None]], turn: int, generation: int,
                     tokens: Callable[[], list[int]]) -> None:
         if self.copied[turn] is not None:  # this buffer's last copy to the device must be done
             self.copied[turn].synchronize()
         sampled = tokens()
-        states = [state for _, state, _ in work]
-        self._take(states, [sampled[row] for row, _, _ in work], [seq_id for _, _, seq_id in work])
-        self._fill_rows(self.host[turn], states, 0)
+        states = [state for _, state, _, _ in work]
+        new = [sampled[row] for row, _, _, _ in work]
+        # read before this fill overwrites any of them (a row that sat out a step had its mask in this buffer)
+        allowed = self._allowed(new, [source for _, _, _, source in work])
+        self._take(states, new, [seq_id for _, _, seq_id, _ in work], allowed)
+        self._fill_rows(turn, states, 0)
         for j, state in enumerate(states):
             state.filled = (turn, generation, j, state.num_accepted)
         self.ahead[turn] = (generation, len(work))
@@ -178,39 +188,70 @@ class GrammarMasks:
             refill.append(state)
         if refill and self.copied[turn] is not None:  # the rows past those filled ahead may still be copying
             self.copied[turn].synchronize()
-        self._fill_rows(self.host[turn], refill, used)
+        self._fill_rows(turn, refill, used)
         counts = [0, 0]
         counts[turn], counts[other] = used + len(refill), other_used if from_other else 0
         return [row for row, *_ in work], sources, counts, batch, turn
 
-    def _fill_rows(self, host: torch.Tensor, states: list[GrammarState], first: int) -> None:
-        """Rows first, first + 1, ... of host: each state's next mask."""
+    def _fill_rows(self, turn: int, states: list[GrammarState], first: int) -> None:
+        """Rows first, first + 1, ... of host buffer `turn`: each state's next mask."""
+        if not states:  # no call at all: each call into xgrammar or torch lets go of the GIL
+            return
         for state in states:
             if state.matcher is None:
                 state.start(self.xgr)
         # a row whose request ended in the step in flight (its matcher took the stop token) is still in this
         # step, launched before the host knew: its token will be dropped, so any mask does
         live = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
-        self.filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], host, [first + j for j in live])
+        if live:
+            self.filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], self.host[turn],
+                                                      [first + j for j in live])
         if len(live) < len(states):
             for j in sorted(set(range(len(states))) - set(live)):
-                host[first + j] = self.stop_only
+                self.host_views[turn][first + j] = self.stop_only
 
-    def _take(self, states: list[GrammarState], tokens: list[int], seq_ids: list[int]) -> None:
-        """Each matcher takes its one new token (seq_ids: for the log), in one call: Python per row is kept to a
-        minimum, as this thread shares the GIL with the engine's."""
+    def _take(self, states: list[GrammarState], tokens: list[int], seq_ids: list[int],
+              allowed: list[bool] | None = None) -> None:
+        """Each matcher takes its one new token (seq_ids: for the log), in one call. allowed: whether the mask each
+        token was sampled under allowed it, when known, which is xgrammar's verdict too (the mask is the set of
+        tokens the matcher accepts); then the verdicts are not read back from xgrammar, which costs one GIL
+        release per row: beside the engine's thread, milliseconds per step."""
+        if not states:
+            return
         for state in states:
             state.num_accepted += 1
             if state.matcher is None:
                 state.start(self.xgr)
         open_rows = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
-        accepted = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
-                                                                   [tokens[j] for j in open_rows])
-        for j, ok in zip(open_rows, accepted):
+        if allowed is None:
+            verdicts = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
+                                                                       [tokens[j] for j in open_rows])
+        else:
+            verdicts = [allowed[j] for j in open_rows]
+            taken = [j for j in open_rows if allowed[j]]
+            self._accept_unread([states[j].matcher for j in taken], [tokens[j] for j in taken])
+        for j, ok in zip(open_rows, verdicts):
             if not ok:
                 self._reject(seq_ids[j], states[j])
             elif tokens[j] in states[j].stop_token_ids:
                 states[j].terminated = states[j].matcher.is_terminated()
+
+    def _accept_unread(self, matchers: list, tokens: list[int]) -> None:
+        """xgrammar's batch accept without reading its answers back (its public call reads them one by one)."""
+        if self.core is None:
+            self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        elif matchers:
+            self.core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+
+    def _allowed(self, tokens: list[int], sources: list[int | None]) -> list[bool] | None:
+        """Whether each token is in the host mask row `sources` names (None: not known for every row). Plain
+        Python over numpy views: a torch call lets go of the GIL, which beside the engine's thread costs more
+        than this loop."""
+        if not tokens or None in sources:
+            return None
+        span = self.host[0].size(0)
+        return [bool(int(self.host_views[source // span][source % span, token >> 5]) >> (token & 31) & 1)
+                for token, source in zip(tokens, sources)]
 
     def _take_several(self, work: list[tuple[GrammarState, list[int], int]]) -> None:
         """Matchers more than one token behind (a row that missed a step's fill) take theirs one by one."""
@@ -234,6 +275,17 @@ def _logged(done: Future) -> None:
     # nothing waits for a fill ahead: its failure would go unseen (the next start fills those rows itself)
     if done.exception() is not None:
         logger.error("filling structured-output masks ahead failed", exc_info=done.exception())
+
+
+def _accept_binding(xgr: Any) -> Any:
+    """xgrammar's binding under its public batch accept (whose answers _take knows already), if it takes the call
+    _accept_unread makes; else None, and the public call is used."""
+    core = getattr(getattr(xgr, "base", None), "_core", None)
+    try:
+        core.BatchGrammarMatcher.batch_accept_token([], [], False)
+    except Exception:  # noqa: BLE001 - another xgrammar version: any failure means "use the public call"
+        return None
+    return core
 
 
 def _bit(position: int) -> int:
