@@ -3,6 +3,7 @@ transformers under the same mask, free rows untouched by constrained ones, and t
 before any work, padded vocabularies, whitespace bounds, one compile per distinct spec)."""
 import json
 import re
+import threading
 
 import pytest
 import torch
@@ -277,7 +278,7 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
     filled = []  # per fill of rows: how many, the step's start's first
     fill_rows = masks._fill_rows
-    masks._fill_rows = lambda host, states, first: (filled.append(len(states)), fill_rows(host, states, first))
+    masks._fill_rows = lambda turn, states, first: (filled.append(len(states)), fill_rows(turn, states, first))
 
     def step(batch: list[Row]) -> None:
         filled.clear()
@@ -333,6 +334,43 @@ def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
     expected_logits = torch.zeros(1, vocab)
     xgr.apply_token_bitmask_inplace(expected_logits, expected)
     assert torch.equal(logits[1], expected_logits[0])
+    compiler.close()
+
+
+def test_a_bigger_batch_takes_over_the_matchers_after_the_last_fill_ahead(padded_model):
+    """A constrained batch wider than the mask buffers makes new ones, while the old worker may still wait for the
+    step in flight's tokens to take them into the same matchers: the new buffers wait for it, so each token is
+    taken once and the next mask is xgrammar's own."""
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    vocab = 1024
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    from nanovllm.sampling.grammar import GrammarState
+    from nanovllm.sampling.sampler import Sampler
+
+    row = Row(0, GrammarState(compiler.submit(SPECS["regex"])))
+    sampler = Sampler([tokenizer.eos_token_id])
+    logits = torch.zeros(1, vocab)
+    sampler.finish_grammar_mask(sampler.grammar_mask([row], logits, lambda: {})).apply(logits)
+    token = int(torch.isfinite(logits[0]).nonzero()[0])
+    row.token_ids = [token]
+    arrived = threading.Event()  # the step's tokens, still on the device for a moment
+    threading.Timer(0.3, arrived.set).start()
+    sampler.grammar_after_sample([row], [True], lambda: (arrived.wait(), [token])[1])
+    old = sampler.grammar_masks
+    wide = [row] + [Row(i, None) for i in range(1, old.max_rows + 1)]
+    logits = torch.zeros(len(wide), vocab)
+    sampler.finish_grammar_mask(sampler.grammar_mask(wide, logits, lambda: {})).apply(logits)
+    assert sampler.grammar_masks is not old
+    old.worker.shutdown(wait=True)  # whatever the old worker still had to do is done
+    assert row.grammar.num_accepted == 1
+    own = xgr.GrammarMatcher(row.grammar.compiled.result())
+    assert own.accept_token(token)
+    for matcher in (own, row.grammar.matcher):
+        bitmask = xgr.allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(bitmask)
+        expected = torch.zeros(1, vocab)
+        xgr.apply_token_bitmask_inplace(expected, bitmask)
+        assert torch.equal(logits[0], expected[0])
     compiler.close()
 
 

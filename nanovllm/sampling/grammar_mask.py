@@ -130,6 +130,10 @@ class GrammarMasks:
         self.device_full.index_copy_(0, index[0], self.device_rows.index_select(0, index[1]))
         return StepMask(self.device_full[:batch], index[0], self.vocab_size)
 
+    def close(self) -> None:
+        """Wait for the worker's last fill and stop it (before another GrammarMasks takes over the matchers)."""
+        self.worker.shutdown(wait=True)
+
     @torch.inference_mode()  # the buffers were made in the runner's inference mode; this thread has its own
     def _fill_ahead(self, work: list[tuple[int, GrammarState, int, int | None]], turn: int, generation: int,
                     tokens: Callable[[], list[int]]) -> None:
@@ -219,7 +223,6 @@ class GrammarMasks:
         if not states:
             return
         for state in states:
-            state.num_accepted += 1
             if state.matcher is None:
                 state.start(self.xgr)
         open_rows = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
@@ -230,6 +233,9 @@ class GrammarMasks:
             verdicts = [allowed[j] for j in open_rows]
             taken = [j for j in open_rows if allowed[j]]
             self._accept_unread([states[j].matcher for j in taken], [tokens[j] for j in taken])
+        # counted once taken: if xgrammar raised, the next start takes the tokens again (through the public call)
+        for state in states:
+            state.num_accepted += 1
         for j, ok in zip(open_rows, verdicts):
             if not ok:
                 self._reject(seq_ids[j], states[j])
@@ -257,12 +263,11 @@ class GrammarMasks:
         """Matchers more than one token behind (a row that missed a step's fill) take theirs one by one."""
         for state, new, seq_id in work:
             state.start(self.xgr)
+            if not (state.rejected or state.terminated):
+                if not all(state.matcher.accept_token(token) for token in new):
+                    self._reject(seq_id, state)
+                state.terminated = state.matcher.is_terminated()
             state.num_accepted += len(new)
-            if state.rejected or state.terminated:
-                continue
-            if not all(state.matcher.accept_token(token) for token in new):
-                self._reject(seq_id, state)
-            state.terminated = state.matcher.is_terminated()
 
     @staticmethod
     def _reject(seq_id: int, state: GrammarState) -> None:

@@ -171,8 +171,10 @@ class Sampler(nn.Module):
             return None
         masks = self.grammar_masks
         if masks is None or len(seqs) > masks.max_rows or logits.size(1) != masks.vocab_size:
-            if masks is not None and logits.is_cuda:
-                torch.cuda.synchronize()  # no copy from the old buffers may still be queued
+            if masks is not None:
+                masks.close()  # its worker may still be taking the last step's tokens into the same matchers
+                if logits.is_cuda:
+                    torch.cuda.synchronize()  # no copy from the old buffers may still be queued
             self.grammar_masks = masks = GrammarMasks(logits.size(1), max(256, len(seqs)), logits.device,
                                                       list(self.eos_token_ids), masks.generation + 1 if masks else 0)
         return masks.start(seqs, pending_tokens)
