@@ -57,6 +57,15 @@ class Row:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def own_masked_logits(matcher, vocab: int) -> torch.Tensor:
+    """Zero logits with xgrammar's own mask for `matcher`'s next token applied (-inf where refused)."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    matcher.fill_next_token_bitmask(bitmask)
+    logits = torch.zeros(1, vocab)
+    xgr.apply_token_bitmask_inplace(logits, bitmask)
+    return logits[0]
+
+
 def check_schema(value) -> None:
     """SCHEMA's rules, checked by hand (no validator needed where the GPU tests run)."""
     assert isinstance(value, dict) and set(value) == {"name", "age", "ok", "color"}, value
@@ -287,11 +296,7 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
         mask.apply(logits)
         tokens = []
         for i, row in enumerate(batch):
-            expected = xgr.allocate_token_bitmask(1, vocab)
-            row.grammar.matcher.fill_next_token_bitmask(expected)
-            expected_logits = torch.zeros(1, vocab)
-            xgr.apply_token_bitmask_inplace(expected_logits, expected)
-            assert torch.equal(logits[i], expected_logits[0]), f"row {row.seq_id}"
+            assert torch.equal(logits[i], own_masked_logits(row.grammar.matcher, vocab)), f"row {row.seq_id}"
             allowed = torch.isfinite(logits[i]).nonzero().flatten()
             tokens.append(int(allowed[allowed != tokenizer.eos_token_id][0]))
             row.token_ids = row.token_ids + [tokens[-1]]
@@ -329,11 +334,7 @@ def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
     own = xgr.GrammarMatcher(good.grammar.compiled.result())
     assert own.accept_token(allowed)
-    expected = xgr.allocate_token_bitmask(1, vocab)
-    own.fill_next_token_bitmask(expected)
-    expected_logits = torch.zeros(1, vocab)
-    xgr.apply_token_bitmask_inplace(expected_logits, expected)
-    assert torch.equal(logits[1], expected_logits[0])
+    assert torch.equal(logits[1], own_masked_logits(own, vocab))
     compiler.close()
 
 
@@ -366,11 +367,7 @@ def test_a_bigger_batch_takes_over_the_matchers_after_the_last_fill_ahead(padded
     own = xgr.GrammarMatcher(row.grammar.compiled.result())
     assert own.accept_token(token)
     for matcher in (own, row.grammar.matcher):
-        bitmask = xgr.allocate_token_bitmask(1, vocab)
-        matcher.fill_next_token_bitmask(bitmask)
-        expected = torch.zeros(1, vocab)
-        xgr.apply_token_bitmask_inplace(expected, bitmask)
-        assert torch.equal(logits[0], expected[0])
+        assert torch.equal(logits[0], own_masked_logits(matcher, vocab))
     compiler.close()
 
 
