@@ -153,7 +153,7 @@ class GrammarMasks:
     @torch.inference_mode()
     def _fill(self, work: list[tuple[int, GrammarState, int, list[int], SamplingRow]], batch: int, turn: int,
               pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], list[int], list[int], int, int]:
-        pending, single, several = None, ([], [], []), []
+        pending, single, several = None, [], []
         for _, state, length, tail, seq in work:
             missing = length - state.num_accepted
             if missing <= 0:
@@ -164,11 +164,12 @@ class GrammarMasks:
                 pending = pending_tokens() if pending is None else pending
                 new[-1] = pending[seq.seq_id]
             if missing == 1:
-                for column, value in zip(single, (state, new[0], seq.seq_id)):
-                    column.append(value)
+                single.append((state, new[0], seq.seq_id))
             else:
                 several.append((state, new, seq.seq_id))
-        self._take(*single)
+        if single:
+            states, tokens, seq_ids = map(list, zip(*single))
+            self._take(states, tokens, seq_ids)
         self._take_several(several)
         # a row's mask filled ahead may be in either buffer: one that sat out the last step (a prefill of other
         # requests) has it in the buffer before
