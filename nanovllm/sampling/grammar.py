@@ -105,6 +105,7 @@ class GrammarState:
     # where the matcher's next mask was filled ahead (sampling/grammar_mask.py): (buffer, generation, row,
     # num_accepted then)
     filled: tuple[int, int, int, int] | None = None
+    handle: Any = None  # the matcher's binding object (xgrammar's private _handle), for calls without wrappers
 
     def error(self) -> BaseException | None:
         """Why the grammar did not compile (ValueError), or None; waits for the compile."""
@@ -119,4 +120,5 @@ class GrammarState:
         if self.matcher is None:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())
             self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
+            self.handle = getattr(self.matcher, "_handle", None)
         return self.matcher

@@ -49,7 +49,11 @@ class GrammarMasks:
     them, and fills every constrained row's next mask into the buffer the next step uses, while the engine
     schedules and launches that step. `start` then only fills what that did not (new requests, a row whose tokens
     it missed), after the rows already filled; a row that sat out the step before (a prefill of other requests)
-    takes its mask from the other buffer, where it was filled ahead."""
+    takes its mask from the other buffer, where it was filled ahead.
+
+    Every row is in a Python loop here at every step, beside the engine's thread, so the per-row work is one loop
+    per phase and the calls into xgrammar go to its bindings directly where they exist: at 512 rows the wrappers'
+    own loops cost as much as xgrammar's work."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device, stop_token_ids: list[int],
                  generation: int = 0) -> None:
@@ -59,8 +63,10 @@ class GrammarMasks:
         self.vocab_size, self.max_rows, self.device = vocab_size, max_rows, device
         width = -(-vocab_size // 32)
         pinned = device.type == "cuda"
-        # twice the rows: a step's rows filled ahead, then the next step's own (at most a batch each)
-        self.host = [torch.zeros(2 * max_rows, width, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        # twice the rows per buffer: a step's rows filled ahead, then the next step's own (at most a batch each)
+        both = torch.zeros(2, 2 * max_rows, width, dtype=torch.int32, pin_memory=pinned)
+        self.host = [both[0], both[1]]
+        self.host_rows = both.view(-1, width).numpy()  # both buffers' rows, read and written without torch calls
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
         self.ahead = [(0, 0), (0, 0)]  # per buffer: (generation, rows) of the last fill ahead into it
@@ -69,8 +75,8 @@ class GrammarMasks:
         self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.core = _accept_binding(self.xgr)
-        self.sampled_under: dict[int, int] = {}
-        self.host_views = [host.numpy() for host in self.host]  # the same memory, read without torch calls
+        self.fill_binding = _fill_binding(self.filler, both[0])
+        self.sampled_under = np.full(0, -1)  # by row of the last finished step: the host row of its mask
         # one thread, so steps' fills keep their order and a matcher is never used by two at once
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask")
         self.stop_only = np.zeros(width, dtype=np.int32)
@@ -81,20 +87,20 @@ class GrammarMasks:
         """A step's sampler is queued: take its tokens (tokens(): by row, waiting for them) into the matchers of its
         constrained rows whose token is kept (sampled: not a prefill chunk short of its prompt's end), and fill
         their next masks ahead, into the buffer the next step's `start` takes."""
-        under, self.sampled_under = self.sampled_under, {}
-        work = [(row, seq.grammar, seq.seq_id, under.get(row)) for row, (seq, kept) in enumerate(zip(seqs, sampled))
-                if seq.grammar is not None and kept]
-        if work:
+        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None and sampled[row]]
+        if rows:
             self.generation += 1
-            self.worker.submit(self._fill_ahead, work, self.turn, self.generation, tokens).add_done_callback(_logged)
+            states = [seqs[row].grammar for row in rows]
+            self.worker.submit(self._fill_ahead, rows, states, seqs, self.sampled_under, self.turn,
+                               self.generation, tokens).add_done_callback(_logged)
 
     def start(self, seqs: list[SamplingRow], pending_tokens: Callable[[], dict[int, int]]) -> Future | None:
         """Begin a step's mask for the constrained rows among `seqs` (None when there are none), in the worker,
         while the caller goes on. pending_tokens(): the tokens of the step in flight by seq_id, asked only if a
         constrained row feeds one its matcher has not taken. `finish` the result."""
-        # each row's length and newest tokens, read now: the engine appends to the lists meanwhile
-        work = [(row, seq.grammar, seq.num_completion_tokens, seq.token_ids[-TAIL:], seq)
-                for row, seq in enumerate(seqs) if seq.grammar is not None]
+        # each row's length, read now: the engine appends to the lists meanwhile
+        work = [(row, seq.grammar, seq.num_completion_tokens, seq) for row, seq in enumerate(seqs)
+                if seq.grammar is not None]
         if not work:
             return None
         turn, self.turn = self.turn, self.turn ^ 1
@@ -104,18 +110,14 @@ class GrammarMasks:
         """The mask `start` filled, queued for the device (on the caller's stream)."""
         rows, sources, used, batch, turn = filled.result()
         span = self.host[0].size(0)  # sources index both host buffers, the second after the first
-        self.sampled_under = dict(zip(rows, sources))  # for after_sample: the mask each row is sampled under
+        self.sampled_under = np.full(batch, -1)  # for after_sample: the mask each row is sampled under
+        self.sampled_under[rows] = sources
         in_place = rows == list(range(batch)) and sources == list(range(turn * span, turn * span + batch))
         if self.device_rows is None:  # CPU: the logits are on the host too
             if in_place:
                 return StepMask(self.host[turn][:batch], None, self.vocab_size)
             full = torch.zeros(batch, self.host[0].size(1), dtype=torch.int32)
-            for buffer, host in enumerate(self.host):
-                picked = [(row, source - buffer * span) for row, source in zip(rows, sources)
-                          if source // span == buffer]
-                if picked:
-                    to, source = zip(*picked)
-                    full[list(to)] = host[list(source)]
+            full[rows] = torch.from_numpy(self.host_rows[sources])
             return StepMask(full, rows, self.vocab_size)
         event = torch.cuda.Event()
         for buffer, count in enumerate(used):
@@ -135,42 +137,22 @@ class GrammarMasks:
         self.worker.shutdown(wait=True)
 
     @torch.inference_mode()  # the buffers were made in the runner's inference mode; this thread has its own
-    def _fill_ahead(self, work: list[tuple[int, GrammarState, int, int | None]], turn: int, generation: int,
-                    tokens: Callable[[], list[int]]) -> None:
+    def _fill_ahead(self, rows: list[int], states: list[GrammarState], seqs: list[SamplingRow], under: np.ndarray,
+                    turn: int, generation: int, tokens: Callable[[], list[int]]) -> None:
         if self.copied[turn] is not None:  # this buffer's last copy to the device must be done
             self.copied[turn].synchronize()
         sampled = tokens()
-        states = [state for _, state, _, _ in work]
-        new = [sampled[row] for row, _, _, _ in work]
+        new = [sampled[row] for row in rows]
         # read before this fill overwrites any of them (a row that sat out a step had its mask in this buffer)
-        allowed = self._allowed(new, [source for _, _, _, source in work])
-        self._take(states, new, [seq_id for _, _, seq_id, _ in work], allowed)
+        allowed = self._allowed(new, under[rows] if len(under) > rows[-1] else None)
+        # marked before the fill: the marks only count once ahead[turn] names this generation
+        self._take(states, new, lambda j: seqs[rows[j]].seq_id, allowed, (turn, generation))
         self._fill_rows(turn, states, 0)
-        for j, state in enumerate(states):
-            state.filled = (turn, generation, j, state.num_accepted)
-        self.ahead[turn] = (generation, len(work))
+        self.ahead[turn] = (generation, len(states))
 
     @torch.inference_mode()
-    def _fill(self, work: list[tuple[int, GrammarState, int, list[int], SamplingRow]], batch: int, turn: int,
+    def _fill(self, work: list[tuple[int, GrammarState, int, SamplingRow]], batch: int, turn: int,
               pending_tokens: Callable[[], dict[int, int]]) -> tuple[list[int], list[int], list[int], int, int]:
-        pending, single, several = None, [], []
-        for _, state, length, tail, seq in work:
-            missing = length - state.num_accepted
-            if missing <= 0:
-                continue
-            # the newest tokens are in the snapshot; older ones (never, in practice) are past any change
-            new = tail[-missing:] if missing <= len(tail) else seq.completion_token_ids[state.num_accepted:length]
-            if new[-1] == PENDING:
-                pending = pending_tokens() if pending is None else pending
-                new[-1] = pending[seq.seq_id]
-            if missing == 1:
-                single.append((state, new[0], seq.seq_id))
-            else:
-                several.append((state, new, seq.seq_id))
-        if single:
-            states, tokens, seq_ids = map(list, zip(*single))
-            self._take(states, tokens, seq_ids)
-        self._take_several(several)
         # a row's mask filled ahead may be in either buffer: one that sat out the last step (a prefill of other
         # requests) has it in the buffer before
         span, other = self.host[turn].size(0), turn ^ 1
@@ -178,19 +160,26 @@ class GrammarMasks:
         if used + len(work) > span:  # cannot happen with batches of max_rows; stay correct
             generation, used = -1, 0
             self.ahead[turn] = (0, 0)
-        sources, refill, from_other = [], [], False
-        for _, state, _, _, _ in work:
+        here, there = (turn, generation), (other, other_generation)
+        sources, refill, behind, from_other = [], [], [], False
+        for j, (_, state, length, _) in enumerate(work):
             done = state.filled
-            if done is not None and done[3] == state.num_accepted:
-                if done[:2] == (turn, generation):
-                    sources.append(turn * span + done[2])
-                    continue
-                if done[:2] == (other, other_generation):
-                    sources.append(other * span + done[2])
-                    from_other = True
-                    continue
-            sources.append(turn * span + used + len(refill))
-            refill.append(state)
+            if length > state.num_accepted:  # tokens the matcher has not taken (a fill ahead failed)
+                behind.append(j)
+                sources.append(-1)
+            elif done is not None and done[3] == state.num_accepted and done[:2] == here:
+                sources.append(turn * span + done[2])
+            elif done is not None and done[3] == state.num_accepted and done[:2] == there:
+                sources.append(other * span + done[2])
+                from_other = True
+            else:
+                sources.append(turn * span + used + len(refill))
+                refill.append(state)
+        if behind:
+            self._take_behind([work[j] for j in behind], pending_tokens)
+            for j in behind:
+                sources[j] = turn * span + used + len(refill)
+                refill.append(work[j][1])
         if refill and self.copied[turn] is not None:  # the rows past those filled ahead may still be copying
             self.copied[turn].synchronize()
         self._fill_rows(turn, refill, used)
@@ -200,75 +189,102 @@ class GrammarMasks:
 
     def _fill_rows(self, turn: int, states: list[GrammarState], first: int) -> None:
         """Rows first, first + 1, ... of host buffer `turn`: each state's next mask."""
-        if not states:  # no call at all: each call into xgrammar or torch lets go of the GIL
-            return
-        for state in states:
+        handles, indices, stop_rows = [], [], []
+        for j, state in enumerate(states, first):
             if state.matcher is None:
                 state.start(self.xgr)
-        # a row whose request ended in the step in flight (its matcher took the stop token) is still in this
-        # step, launched before the host knew: its token will be dropped, so any mask does
-        live = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
-        if live:
-            self.filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], self.host[turn],
-                                                      [first + j for j in live])
-        if len(live) < len(states):
-            for j in sorted(set(range(len(states))) - set(live)):
-                self.host_views[turn][first + j] = self.stop_only
+            # a row whose request ended in the step in flight (its matcher took the stop token) is still in this
+            # step, launched before the host knew: its token will be dropped, so any mask does
+            if state.rejected or state.terminated:
+                stop_rows.append(j)
+            else:
+                handles.append(state.handle if self.fill_binding else state.matcher)
+                indices.append(j)
+        if handles:  # no call at all otherwise: each call into xgrammar or torch lets go of the GIL
+            if self.fill_binding is not None:
+                self.fill_binding(handles, self.host[turn], indices, False)
+            else:
+                self.filler.batch_fill_next_token_bitmask(handles, self.host[turn], indices)
+        if stop_rows:
+            self.host_rows[[turn * self.host[0].size(0) + j for j in stop_rows]] = self.stop_only
 
-    def _take(self, states: list[GrammarState], tokens: list[int], seq_ids: list[int],
-              allowed: list[bool] | None = None) -> None:
-        """Each matcher takes its one new token (seq_ids: for the log), in one call. allowed: whether the mask each
+    def _take(self, states: list[GrammarState], tokens: list[int], seq_id: Callable[[int], int],
+              allowed: list[bool] | None = None, mark: tuple[int, int] | None = None) -> None:
+        """Each matcher takes its one new token (seq_id(j): row j's, for the log). allowed: whether the mask each
         token was sampled under allowed it, when known, which is xgrammar's verdict too (the mask is the set of
         tokens the matcher accepts); then the verdicts are not read back from xgrammar, which costs one GIL
-        release per row: beside the engine's thread, milliseconds per step."""
-        if not states:
-            return
-        for state in states:
+        release per row: beside the engine's thread, milliseconds per step. mark: (buffer, generation) of the
+        fill ahead that follows, noted on each state with its row."""
+        if allowed is None or self.core is None:
+            allowed = self._accept_public(states, tokens)
+            handles = None
+        else:
+            handles, taken = [], []
+        stops = []
+        for j, (state, token, ok) in enumerate(zip(states, tokens, allowed)):
             if state.matcher is None:
                 state.start(self.xgr)
-        open_rows = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
-        if allowed is None:
-            verdicts = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
-                                                                       [tokens[j] for j in open_rows])
-        else:
-            verdicts = [allowed[j] for j in open_rows]
-            taken = [j for j in open_rows if allowed[j]]
-            self._accept_unread([states[j].matcher for j in taken], [tokens[j] for j in taken])
-        # counted once taken: if xgrammar raised, the next start takes the tokens again (through the public call)
-        for state in states:
+            if state.rejected or state.terminated:
+                pass
+            elif not ok:
+                self._reject(seq_id(j), state)
+            else:
+                if handles is not None:
+                    handles.append(state.handle)
+                    taken.append(token)
+                if token in state.stop_token_ids:
+                    stops.append(state)
             state.num_accepted += 1
-        for j, ok in zip(open_rows, verdicts):
-            if not ok:
-                self._reject(seq_ids[j], states[j])
-            elif tokens[j] in states[j].stop_token_ids:
-                states[j].terminated = states[j].matcher.is_terminated()
+            if mark is not None:
+                state.filled = (*mark, j, state.num_accepted)
+        if handles:
+            try:
+                self.core.BatchGrammarMatcher.batch_accept_token(handles, taken, False)
+            except BaseException:  # the next start takes the tokens again
+                for state in states:
+                    state.num_accepted -= 1
+                    state.filled = None
+                raise
+        for state in stops:
+            state.terminated = state.matcher.is_terminated()
 
-    def _accept_unread(self, matchers: list, tokens: list[int]) -> None:
-        """xgrammar's batch accept without reading its answers back (its public call reads them one by one)."""
-        if self.core is None:
-            self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
-        elif matchers:
-            self.core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+    def _accept_public(self, states: list[GrammarState], tokens: list[int]) -> list[bool]:
+        """xgrammar's public batch accept of the open rows' tokens; each row's verdict (an ended row's: True)."""
+        for state in states:
+            state.start(self.xgr)
+        open_rows = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
+        verdicts = [True] * len(states)
+        if open_rows:
+            answers = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
+                                                                      [tokens[j] for j in open_rows])
+            for j, ok in zip(open_rows, answers):
+                verdicts[j] = ok
+        return verdicts
 
-    def _allowed(self, tokens: list[int], sources: list[int | None]) -> list[bool] | None:
-        """Whether each token is in the host mask row `sources` names (None: not known for every row). Plain
-        Python over numpy views: a torch call lets go of the GIL, which beside the engine's thread costs more
-        than this loop."""
-        if not tokens or None in sources:
+    def _allowed(self, tokens: list[int], sources: np.ndarray | None) -> list[bool] | None:
+        """Whether each token is in the host mask row `sources` names (None: not known for every row). numpy on
+        the buffers' view: a torch call lets go of the GIL, which beside the engine's thread costs more."""
+        if sources is None or (sources < 0).any():
             return None
-        span = self.host[0].size(0)
-        return [bool(int(self.host_views[source // span][source % span, token >> 5]) >> (token & 31) & 1)
-                for token, source in zip(tokens, sources)]
+        ids = np.asarray(tokens)
+        return ((self.host_rows[sources, ids >> 5] >> (ids & 31)) & 1).astype(bool).tolist()
 
-    def _take_several(self, work: list[tuple[GrammarState, list[int], int]]) -> None:
-        """Matchers more than one token behind (a row that missed a step's fill) take theirs one by one."""
-        for state, new, seq_id in work:
+    def _take_behind(self, work: list[tuple[int, GrammarState, int, SamplingRow]],
+                     pending_tokens: Callable[[], dict[int, int]]) -> None:
+        """Matchers behind their rows' tokens take them, one by one (never in a healthy run: every step's tokens
+        are taken by its fill ahead)."""
+        pending = None
+        for _, state, length, seq in work:
+            new = seq.completion_token_ids[state.num_accepted:length]
+            if new[-1] == PENDING:
+                pending = pending_tokens() if pending is None else pending
+                new[-1] = pending[seq.seq_id]
             state.start(self.xgr)
             if not (state.rejected or state.terminated):
                 if not all(state.matcher.accept_token(token) for token in new):
-                    self._reject(seq_id, state)
+                    self._reject(seq.seq_id, state)
                 state.terminated = state.matcher.is_terminated()
-            state.num_accepted += len(new)
+            state.num_accepted = length
 
     @staticmethod
     def _reject(seq_id: int, state: GrammarState) -> None:
@@ -292,6 +308,17 @@ def _accept_binding(xgr: Any) -> Any:
     except Exception:  # noqa: BLE001 - another xgrammar version: any failure means "use the public call"
         return None
     return core
+
+
+def _fill_binding(filler: Any, bitmask: torch.Tensor) -> Callable | None:
+    """xgrammar's binding under its public batch fill (which makes a list of the matchers' handles first), if it
+    takes the call _fill_rows makes; else None."""
+    try:
+        binding = filler._handle.batch_fill_next_token_bitmask
+        binding([], bitmask, [], False)
+    except Exception:  # noqa: BLE001 - another xgrammar version: use the public call
+        return None
+    return binding
 
 
 def _bit(position: int) -> int:
