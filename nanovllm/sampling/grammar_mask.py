@@ -21,8 +21,9 @@ from nanovllm.sampling.rows import PENDING, SamplingRow
 from nanovllm.utils.device import allowed_cpu_cores
 
 logger = logging.getLogger(__name__)
-# xgrammar's threads for one step's rows; the engine's own thread keeps a core
-FILL_THREADS = max(1, min(16, allowed_cpu_cores() - 1))
+# xgrammar's threads for one step's fill. It starts them anew at every call, so more is not faster: at 512 rows
+# on a 16-core host, 4 fill in 1.6 ms, 15 in 2.7 ms, 1 in 2.5 ms. The engine's own thread keeps a core.
+FILL_THREADS = max(1, min(4, allowed_cpu_cores() - 1))
 TAIL = 8  # newest tokens of each row read at a step's start: a row's matcher is never further behind
 
 
