@@ -287,7 +287,7 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
     filled = []  # per fill of rows: how many, the step's start's first
     fill_rows = masks._fill_rows
-    masks._fill_rows = lambda turn, states, *at: (filled.append(len(states)), fill_rows(turn, states, *at))
+    masks._fill_rows = lambda turn, states, first: (filled.append(len(states)), fill_rows(turn, states, first))
 
     def step(batch: list[Row]) -> None:
         filled.clear()

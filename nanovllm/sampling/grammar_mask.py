@@ -24,8 +24,6 @@ logger = logging.getLogger(__name__)
 # xgrammar's threads for one step's fill. It starts them anew at every call, so more is not faster: at 512 rows
 # on a 16-core host, 4 fill in 1.6 ms, 15 in 2.7 ms, 1 in 2.5 ms. The engine's own thread keeps a core.
 FILL_THREADS = max(1, min(4, allowed_cpu_cores() - 1))
-# a big fill ahead split over two threads (each with its fill threads), where the host has the cores for both
-SPLIT_FILLS = allowed_cpu_cores() >= 10
 TAIL = 8  # newest tokens of each row read at a step's start: a row's matcher is never further behind
 
 
@@ -76,15 +74,12 @@ class GrammarMasks:
         self.generation = generation
         self.device_rows = torch.zeros(4 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
-        # one per thread that fills: xgrammar's batch matcher keeps its thread pool for the call in itself
-        self.fillers = [self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS) for _ in range(2)]
+        self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.core = _accept_binding(self.xgr)
-        self.fill_bindings = [_fill_binding(filler, both[0]) for filler in self.fillers]
+        self.fill_binding = _fill_binding(self.filler, both[0])
         self.sampled_under = np.full(0, -1)  # by row of the last finished step: the host row of its mask
         # one thread, so steps' fills keep their order and a matcher is never used by two at once
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask")
-        # takes half of a big fill ahead's rows beside the worker (disjoint matchers)
-        self.helper = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask-half") if SPLIT_FILLS else None
         self.stop_only = np.zeros(width, dtype=np.int32)
         for token in stop_token_ids:
             self.stop_only[token // 32] |= _bit(token % 32)
@@ -141,8 +136,6 @@ class GrammarMasks:
     def close(self) -> None:
         """Wait for the worker's last fill and stop it (before another GrammarMasks takes over the matchers)."""
         self.worker.shutdown(wait=True)
-        if self.helper is not None:
-            self.helper.shutdown(wait=True)
 
     @torch.inference_mode()  # the buffers were made in the runner's inference mode; this thread has its own
     def _fill_ahead(self, rows: list[int], states: list[GrammarState], seqs: list[SamplingRow], under: np.ndarray,
@@ -153,22 +146,10 @@ class GrammarMasks:
         new = [sampled[row] for row in rows]
         # read before this fill overwrites any of them (a row that sat out a step had its mask in this buffer)
         allowed = self._allowed(new, under[rows] if len(under) > rows[-1] else None)
-        # the second half of the rows in the helper thread, at once: both halves' xgrammar calls let go of the GIL
-        half = len(states) // 2 if self.helper is not None and allowed is not None and len(states) >= 128 else 0
-        other = None if not half else self.helper.submit(
-            self._take_and_fill, states[half:], new[half:], allowed[half:], rows, seqs, turn, generation, half, 1)
-        self._take_and_fill(states[:half or None], new[:half or None], allowed and allowed[:half or None], rows, seqs,
-                            turn, generation, 0, 0)
-        if other is not None:
-            other.result()
-        self.ahead[turn] = (generation, len(states))
-
-    @torch.inference_mode()
-    def _take_and_fill(self, states: list[GrammarState], new: list[int], allowed: list[bool] | None, rows: list[int],
-                       seqs: list[SamplingRow], turn: int, generation: int, first: int, filler: int) -> None:
         # marked before the fill: the marks only count once ahead[turn] names this generation
-        self._take(states, new, lambda j: seqs[rows[j]].seq_id, allowed, (turn, generation), first)
-        self._fill_rows(turn, states, first, filler)
+        self._take(states, new, lambda j: seqs[rows[j]].seq_id, allowed, (turn, generation))
+        self._fill_rows(turn, states, 0)
+        self.ahead[turn] = (generation, len(states))
 
     @torch.inference_mode()
     def _fill(self, work: list[tuple[int, GrammarState, int, SamplingRow]], batch: int, turn: int,
@@ -207,8 +188,8 @@ class GrammarMasks:
         counts[turn], counts[other] = used + len(refill), other_used if from_other else 0
         return [row for row, *_ in work], sources, counts, batch, turn
 
-    def _fill_rows(self, turn: int, states: list[GrammarState], first: int, filler: int = 0) -> None:
-        """Rows first, first + 1, ... of host buffer `turn`: each state's next mask (filler: which thread's)."""
+    def _fill_rows(self, turn: int, states: list[GrammarState], first: int) -> None:
+        """Rows first, first + 1, ... of host buffer `turn`: each state's next mask."""
         handles, indices, stop_rows = [], [], []
         for j, state in enumerate(states, first):
             if state.matcher is None:
@@ -218,23 +199,23 @@ class GrammarMasks:
             if state.rejected or state.terminated:
                 stop_rows.append(j)
             else:
-                handles.append(state.handle if self.fill_bindings[filler] else state.matcher)
+                handles.append(state.handle if self.fill_binding else state.matcher)
                 indices.append(j)
         if handles:  # no call at all otherwise: each call into xgrammar or torch lets go of the GIL
-            if self.fill_bindings[filler] is not None:
-                self.fill_bindings[filler](handles, self.host[turn], indices, False)
+            if self.fill_binding is not None:
+                self.fill_binding(handles, self.host[turn], indices, False)
             else:
-                self.fillers[filler].batch_fill_next_token_bitmask(handles, self.host[turn], indices)
+                self.filler.batch_fill_next_token_bitmask(handles, self.host[turn], indices)
         if stop_rows:
             self.host_rows[[turn * self.host[0].size(0) + j for j in stop_rows]] = self.stop_only
 
     def _take(self, states: list[GrammarState], tokens: list[int], seq_id: Callable[[int], int],
-              allowed: list[bool] | None = None, mark: tuple[int, int] | None = None, first: int = 0) -> None:
+              allowed: list[bool] | None = None, mark: tuple[int, int] | None = None) -> None:
         """Each matcher takes its one new token (seq_id(j): row j's, for the log). allowed: whether the mask each
         token was sampled under allowed it, when known, which is xgrammar's verdict too (the mask is the set of
         tokens the matcher accepts); then the verdicts are not read back from xgrammar, which costs one GIL
         release per row: beside the engine's thread, milliseconds per step. mark: (buffer, generation) of the
-        fill ahead that follows, noted on each state with its row (first + its index)."""
+        fill ahead that follows, noted on each state with its row."""
         if allowed is None or self.core is None:
             allowed = self._accept_public(states, tokens)
             handles = None
@@ -247,7 +228,7 @@ class GrammarMasks:
             if state.rejected or state.terminated:
                 pass
             elif not ok:
-                self._reject(seq_id(first + j), state)
+                self._reject(seq_id(j), state)
             else:
                 if handles is not None:
                     handles.append(state.handle)
@@ -256,7 +237,7 @@ class GrammarMasks:
                     stops.append(state)
             state.num_accepted += 1
             if mark is not None:
-                state.filled = (*mark, first + j, state.num_accepted)
+                state.filled = (*mark, j, state.num_accepted)
         if handles:
             try:
                 self.core.BatchGrammarMatcher.batch_accept_token(handles, taken, False)
