@@ -338,6 +338,34 @@ def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
     compiler.close()
 
 
+def test_a_row_whose_request_ended_before_its_mask_is_filled_gets_a_stop_only_mask(padded_model):
+    """A matcher behind its row's tokens (no fill ahead took them) whose request ends while the step's mask waits
+    for the worker (the engine cuts the token slots past the end): the step still gets its mask, that row's
+    allowing only the end, and the row beside it is xgrammar's own."""
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    vocab = 1024
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    from nanovllm.sampling.grammar import GrammarState
+
+    ended, going = (Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(["regex", "choice"]))
+    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    logits = torch.zeros(2, vocab)
+    masks.finish(masks.start([ended, going], lambda: {})).apply(logits)
+    ended.token_ids, going.token_ids = ([int(torch.isfinite(row).nonzero()[0])] for row in logits)
+    hold = threading.Event()
+    masks.worker.submit(hold.wait)  # the worker is busy while the next step starts
+    started = masks.start([ended, going], lambda: {})
+    ended.token_ids = []  # its request ended meanwhile
+    hold.set()
+    logits = torch.zeros(2, vocab)
+    masks.finish(started).apply(logits)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    own = xgr.GrammarMatcher(going.grammar.compiled.result())
+    assert own.accept_token(going.token_ids[0])
+    assert torch.equal(logits[1], own_masked_logits(own, vocab))
+    compiler.close()
+
+
 def test_a_bigger_batch_takes_over_the_matchers_after_the_last_fill_ahead(padded_model):
     """A constrained batch wider than the mask buffers makes new ones, while the old worker may still wait for the
     step in flight's tokens to take them into the same matchers: the new buffers wait for it, so each token is

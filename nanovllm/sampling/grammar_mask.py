@@ -277,6 +277,9 @@ class GrammarMasks:
         pending = None
         for _, state, length, seq in work:
             new = seq.completion_token_ids[state.num_accepted:length]
+            if len(new) < length - state.num_accepted:  # its request ended meanwhile (the engine cut the slots of
+                state.terminated = True  # steps launched after its end): this row's token is dropped
+                continue
             if new[-1] == PENDING:
                 pending = pending_tokens() if pending is None else pending
                 new[-1] = pending[seq.seq_id]
