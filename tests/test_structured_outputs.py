@@ -417,9 +417,10 @@ def _masks_step_by_step(padded_model: str, device: torch.device, public_accept: 
     specs = list(SPECS.values())
     rows = [Row(i, None if i % 3 == 0 else GrammarState(compiler.submit(specs[i % len(specs)]))) for i in range(9)]
     masks = GrammarMasks(vocab, 16, device, [tokenizer.eos_token_id])
-    assert masks.core is not None, "this xgrammar changed the binding _accept_binding calls: the fast accept is off"
-    if public_accept:
-        masks.core = None
+    assert masks.core is not None, "this xgrammar changed the binding accept_binding calls: the fast accept is off"
+    assert masks.fill_binding is not None, "this xgrammar changed the binding fill_binding calls: the fast fill is off"
+    if public_accept:  # and the public fill
+        masks.core = masks.fill_binding = None
     generator = torch.Generator().manual_seed(0)
     for step in range(12):
         batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # all, then a subset

@@ -6,6 +6,7 @@ xgrammar is imported on the first constrained request, so an engine that never s
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -122,3 +123,25 @@ class GrammarState:
             self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
             self.handle = getattr(self.matcher, "_handle", None)
         return self.matcher
+
+
+def accept_binding(xgr: Any) -> Any:
+    """xgrammar's binding under its public batch accept, if it takes a call that does not read the answers back
+    (grammar_mask.py knows them already); else None, and the public call is used."""
+    core = getattr(getattr(xgr, "base", None), "_core", None)
+    try:
+        core.BatchGrammarMatcher.batch_accept_token([], [], False)
+    except Exception:  # noqa: BLE001 - another xgrammar version: any failure means "use the public call"
+        return None
+    return core
+
+
+def fill_binding(filler: Any, bitmask: Any) -> Callable | None:
+    """xgrammar's binding under its public batch fill (which makes a list of the matchers' handles first), if it
+    takes the call grammar_mask.py makes (cached handles); else None."""
+    try:
+        binding = filler._handle.batch_fill_next_token_bitmask
+        binding([], bitmask, [], False)
+    except Exception:  # noqa: BLE001 - another xgrammar version: use the public call
+        return None
+    return binding

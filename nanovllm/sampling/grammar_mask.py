@@ -1,7 +1,7 @@
 """Structured outputs, sampling: one step's token mask for its constrained rows.
 
 A worker thread keeps the matchers: as soon as a step's sampler is queued (`GrammarMasks.after_sample`) it waits
-for the step's tokens, lets each matcher take its new one, and fills the rows' next bitmasks (xgrammar, many
+for the step's tokens, lets each matcher take its new one, and fills the rows' next bitmasks (xgrammar, a few
 threads, GIL released) into pinned memory, while the engine's thread completes the step before and schedules and
 launches the next. That step's `start`, after its forward is launched, fills only rows not filled ahead (new
 requests; with async scheduling a row's newest token may still be PENDING on the host, taken from the step in
@@ -11,12 +11,11 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from nanovllm.sampling.grammar import GrammarState, import_xgrammar
+from nanovllm.sampling.grammar import GrammarState, accept_binding, fill_binding, import_xgrammar
 from nanovllm.sampling.rows import PENDING, SamplingRow
 from nanovllm.utils.device import allowed_cpu_cores
 
@@ -24,7 +23,6 @@ logger = logging.getLogger(__name__)
 # xgrammar's threads for one step's fill. It starts them anew at every call, so more is not faster: at 512 rows
 # on a 16-core host, 4 fill in 1.6 ms, 15 in 2.7 ms, 1 in 2.5 ms. The engine's own thread keeps a core.
 FILL_THREADS = max(1, min(4, allowed_cpu_cores() - 1))
-TAIL = 8  # newest tokens of each row read at a step's start: a row's matcher is never further behind
 
 
 @dataclass
@@ -52,9 +50,8 @@ class GrammarMasks:
     it missed), after the rows already filled; a row that sat out the step before (a prefill of other requests)
     takes its mask from the other buffer, where it was filled ahead.
 
-    Every row is in a Python loop here at every step, beside the engine's thread, so the per-row work is one loop
-    per phase and the calls into xgrammar go to its bindings directly where they exist: at 512 rows the wrappers'
-    own loops cost as much as xgrammar's work."""
+    Every row passes here at every step, beside the engine's thread: one loop per phase, xgrammar's bindings called
+    with cached handles (at 512 rows, per-row Python costs as much as xgrammar's own work)."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device, stop_token_ids: list[int],
                  generation: int = 0) -> None:
@@ -75,8 +72,8 @@ class GrammarMasks:
         self.device_rows = torch.zeros(4 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
-        self.core = _accept_binding(self.xgr)
-        self.fill_binding = _fill_binding(self.filler, both[0])
+        self.core = accept_binding(self.xgr)
+        self.fill_binding = fill_binding(self.filler, both[0])
         self.sampled_under = np.full(0, -1)  # by row of the last finished step: the host row of its mask
         # one thread, so steps' fills keep their order and a matcher is never used by two at once
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-mask")
@@ -301,28 +298,6 @@ def _logged(done: Future) -> None:
     # nothing waits for a fill ahead: its failure would go unseen (the next start fills those rows itself)
     if done.exception() is not None:
         logger.error("filling structured-output masks ahead failed", exc_info=done.exception())
-
-
-def _accept_binding(xgr: Any) -> Any:
-    """xgrammar's binding under its public batch accept (whose answers _take knows already), if it takes the call
-    _accept_unread makes; else None, and the public call is used."""
-    core = getattr(getattr(xgr, "base", None), "_core", None)
-    try:
-        core.BatchGrammarMatcher.batch_accept_token([], [], False)
-    except Exception:  # noqa: BLE001 - another xgrammar version: any failure means "use the public call"
-        return None
-    return core
-
-
-def _fill_binding(filler: Any, bitmask: torch.Tensor) -> Callable | None:
-    """xgrammar's binding under its public batch fill (which makes a list of the matchers' handles first), if it
-    takes the call _fill_rows makes; else None."""
-    try:
-        binding = filler._handle.batch_fill_next_token_bitmask
-        binding([], bitmask, [], False)
-    except Exception:  # noqa: BLE001 - another xgrammar version: use the public call
-        return None
-    return binding
 
 
 def _bit(position: int) -> int:
