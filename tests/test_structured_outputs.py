@@ -312,6 +312,50 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     compiler.close()
 
 
+def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_buffer(padded_model):
+    """Row S samples one step, then sits out two (a prefill of others); the second of A's and B's fills ahead goes
+    into the buffer that holds S's mask, writes over it, and fails. When all three sample again, S's mask is
+    filled anew, not read from that buffer, and A's and B's matchers catch up: every mask is xgrammar's own."""
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    vocab = 1024
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    from nanovllm.sampling.grammar import GrammarState
+
+    sat_out, a, b = (Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(
+        ["json_text_compact", "regex", "choice"]))
+    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    fill_rows, failing = masks._fill_rows, [False]
+
+    def half_written(turn, states, first):
+        if failing[0] and first == 0:  # a fill ahead: its rows are written over, then xgrammar fails
+            masks.host[turn][:len(states)] = 0
+            raise RuntimeError("fill failed")
+        fill_rows(turn, states, first)
+    masks._fill_rows = half_written
+
+    def step(batch: list[Row]) -> None:
+        mask = masks.finish(masks.start(batch, lambda: {}))
+        logits = torch.zeros(len(batch), vocab)
+        mask.apply(logits)
+        tokens = []
+        for i, row in enumerate(batch):
+            assert torch.equal(logits[i], own_masked_logits(row.grammar.matcher, vocab)), f"row {row.seq_id}"
+            allowed = torch.isfinite(logits[i]).nonzero().flatten()
+            going_on = allowed[allowed != tokenizer.eos_token_id]  # the end only once nothing else is allowed
+            tokens.append(int(going_on[0]) if len(going_on) else tokenizer.eos_token_id)
+            row.token_ids = row.token_ids + [tokens[-1]]
+        masks.after_sample(batch, [True] * len(batch), lambda: tokens)
+        masks.worker.submit(lambda: None).result()  # the fill ahead is done (or failed)
+
+    step([sat_out, a, b])  # S's next mask: row 0 of the buffer filled ahead
+    step([a, b])
+    failing[0] = True
+    step([a, b])  # its fill ahead goes to S's buffer, writes rows 0 and 1, fails
+    failing[0] = False
+    step([sat_out, a, b])
+    compiler.close()
+
+
 def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
     """A row whose sampled token its mask did not allow (every allowed token banned, say) is marked rejected and may
     only end; the row beside it, whose token was allowed, goes on as xgrammar's own matcher would."""

@@ -143,7 +143,9 @@ class GrammarMasks:
         new = [sampled[row] for row in rows]
         # read before this fill overwrites any of them (a row that sat out a step had its mask in this buffer)
         allowed = self._allowed(new, under[rows] if len(under) > rows[-1] else None)
-        # marked before the fill: the marks only count once ahead[turn] names this generation
+        # marked before the fill: the marks only count once ahead[turn] names this generation; until then no mark
+        # names this buffer (a fill that fails may have written some of its rows)
+        self.ahead[turn] = (-1, 0)
         self._take(states, new, lambda j: seqs[rows[j]].seq_id, allowed, (turn, generation))
         self._fill_rows(turn, states, 0)
         self.ahead[turn] = (generation, len(states))
@@ -218,31 +220,32 @@ class GrammarMasks:
             handles = None
         else:
             handles, taken = [], []
-        stops = []
-        for j, (state, token, ok) in enumerate(zip(states, tokens, allowed)):
-            if state.matcher is None:
-                state.start(self.xgr)
-            if state.rejected or state.terminated:
-                pass
-            elif not ok:
-                self._reject(seq_id(j), state)
-            else:
-                if handles is not None:
-                    handles.append(state.handle)
-                    taken.append(token)
-                if token in state.stop_token_ids:
-                    stops.append(state)
-            state.num_accepted += 1
-            if mark is not None:
-                state.filled = (*mark, j, state.num_accepted)
-        if handles:
-            try:
+        stops, counted = [], 0
+        try:
+            for j, (state, token, ok) in enumerate(zip(states, tokens, allowed)):
+                if state.matcher is None:
+                    state.start(self.xgr)
+                if state.rejected or state.terminated:
+                    pass
+                elif not ok:
+                    self._reject(seq_id(j), state)
+                else:
+                    if handles is not None:
+                        handles.append(state.handle)
+                        taken.append(token)
+                    if token in state.stop_token_ids:
+                        stops.append(state)
+                state.num_accepted += 1
+                counted = j + 1
+                if mark is not None:
+                    state.filled = (*mark, j, state.num_accepted)
+            if handles:
                 self.core.BatchGrammarMatcher.batch_accept_token(handles, taken, False)
-            except BaseException:  # the next start takes the tokens again
-                for state in states:
-                    state.num_accepted -= 1
-                    state.filled = None
-                raise
+        except BaseException:  # the next start takes the tokens again
+            for state in states[:counted]:
+                state.num_accepted -= 1
+                state.filled = None
+            raise
         for state in stops:
             state.terminated = state.matcher.is_terminated()
 
