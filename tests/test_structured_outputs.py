@@ -57,6 +57,35 @@ class Row:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def masks_and_rows(padded_model: str, names: list[str]):
+    """The tokenizer, its grammar compiler (close it), one constrained row per SPECS name, and mask buffers for 8
+    rows on the host, over a vocabulary of 1,024 ids."""
+    from nanovllm.sampling.grammar import GrammarState
+
+    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    compiler = GrammarCompiler(tokenizer, 1024, [tokenizer.eos_token_id])
+    rows = [Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(names)]
+    return tokenizer, compiler, rows, GrammarMasks(1024, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+
+
+def sample_a_step(masks: GrammarMasks, batch: list[Row], eos: int) -> None:
+    """One step of the host path, as the engine takes it: the step's mask (each row's must be xgrammar's own for
+    its matcher), each row's first allowed token but the end (the end once nothing else is allowed), the tokens
+    to the matchers and the fill ahead, waited for (done, or failed)."""
+    mask = masks.finish(masks.start(batch, lambda: {}))
+    logits = torch.zeros(len(batch), masks.vocab_size)
+    mask.apply(logits)
+    tokens = []
+    for i, row in enumerate(batch):
+        assert torch.equal(logits[i], own_masked_logits(row.grammar.matcher, masks.vocab_size)), f"row {row.seq_id}"
+        allowed = torch.isfinite(logits[i]).nonzero().flatten()
+        going_on = allowed[allowed != eos]
+        tokens.append(int(going_on[0]) if len(going_on) else eos)
+        row.token_ids = row.token_ids + [tokens[-1]]
+    masks.after_sample(batch, [True] * len(batch), lambda: tokens)
+    masks.worker.submit(lambda: None).result()
+
+
 def own_masked_logits(matcher, vocab: int) -> torch.Tensor:
     """Zero logits with xgrammar's own mask for `matcher`'s next token applied (-inf where refused)."""
     bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -277,31 +306,14 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     """Rows A and B sample a step, a step of only a new request C follows (a prefill of others), then all three
     sample: A's and B's masks, filled ahead after their step into the other buffer, are used as they are, and only
     C's first mask is filled when its step starts. Each step's mask equals xgrammar's own."""
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
-    vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-    from nanovllm.sampling.grammar import GrammarState
-
-    a, b, c = (Row(i, GrammarState(compiler.submit(spec))) for i, spec in enumerate(
-        [SPECS["json_text_compact"], SPECS["regex"], SPECS["choice"]]))
-    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    tokenizer, compiler, (a, b, c), masks = masks_and_rows(padded_model, ["json_text_compact", "regex", "choice"])
     filled = []  # per fill of rows: how many, the step's start's first
     fill_rows = masks._fill_rows
     masks._fill_rows = lambda turn, states, first: (filled.append(len(states)), fill_rows(turn, states, first))
 
     def step(batch: list[Row]) -> None:
         filled.clear()
-        mask = masks.finish(masks.start(batch, lambda: {}))
-        logits = torch.zeros(len(batch), vocab)
-        mask.apply(logits)
-        tokens = []
-        for i, row in enumerate(batch):
-            assert torch.equal(logits[i], own_masked_logits(row.grammar.matcher, vocab)), f"row {row.seq_id}"
-            allowed = torch.isfinite(logits[i]).nonzero().flatten()
-            tokens.append(int(allowed[allowed != tokenizer.eos_token_id][0]))
-            row.token_ids = row.token_ids + [tokens[-1]]
-        masks.after_sample(batch, [True] * len(batch), lambda: tokens)
-        masks.worker.submit(lambda: None).result()  # the fill ahead is done
+        sample_a_step(masks, batch, tokenizer.eos_token_id)
 
     step([a, b])
     step([c])
@@ -316,14 +328,8 @@ def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_b
     """Row S samples one step, then sits out two (a prefill of others); the second of A's and B's fills ahead goes
     into the buffer that holds S's mask, writes over it, and fails. When all three sample again, S's mask is
     filled anew, not read from that buffer, and A's and B's matchers catch up: every mask is xgrammar's own."""
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
-    vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-    from nanovllm.sampling.grammar import GrammarState
-
-    sat_out, a, b = (Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(
-        ["json_text_compact", "regex", "choice"]))
-    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    tokenizer, compiler, (sat_out, a, b), masks = masks_and_rows(padded_model,
+                                                                  ["json_text_compact", "regex", "choice"])
     fill_rows, failing = masks._fill_rows, [False]
 
     def half_written(turn, states, first):
@@ -334,18 +340,7 @@ def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_b
     masks._fill_rows = half_written
 
     def step(batch: list[Row]) -> None:
-        mask = masks.finish(masks.start(batch, lambda: {}))
-        logits = torch.zeros(len(batch), vocab)
-        mask.apply(logits)
-        tokens = []
-        for i, row in enumerate(batch):
-            assert torch.equal(logits[i], own_masked_logits(row.grammar.matcher, vocab)), f"row {row.seq_id}"
-            allowed = torch.isfinite(logits[i]).nonzero().flatten()
-            going_on = allowed[allowed != tokenizer.eos_token_id]  # the end only once nothing else is allowed
-            tokens.append(int(going_on[0]) if len(going_on) else tokenizer.eos_token_id)
-            row.token_ids = row.token_ids + [tokens[-1]]
-        masks.after_sample(batch, [True] * len(batch), lambda: tokens)
-        masks.worker.submit(lambda: None).result()  # the fill ahead is done (or failed)
+        sample_a_step(masks, batch, tokenizer.eos_token_id)
 
     step([sat_out, a, b])  # S's next mask: row 0 of the buffer filled ahead
     step([a, b])
@@ -359,13 +354,8 @@ def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_b
 def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
     """A row whose sampled token its mask did not allow (every allowed token banned, say) is marked rejected and may
     only end; the row beside it, whose token was allowed, goes on as xgrammar's own matcher would."""
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    tokenizer, compiler, (bad, good), masks = masks_and_rows(padded_model, ["choice", "regex"])
     vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-    from nanovllm.sampling.grammar import GrammarState
-
-    bad, good = (Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(["choice", "regex"]))
-    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
     logits = torch.zeros(2, vocab)
     masks.finish(masks.start([bad, good], lambda: {})).apply(logits)
     refused = int(torch.isinf(logits[0]).nonzero()[0])
@@ -386,13 +376,8 @@ def test_a_row_whose_request_ended_before_its_mask_is_filled_gets_a_stop_only_ma
     """A matcher behind its row's tokens (no fill ahead took them) whose request ends while the step's mask waits
     for the worker (the engine cuts the token slots past the end): the step still gets its mask, that row's
     allowing only the end, and the row beside it is xgrammar's own."""
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
+    tokenizer, compiler, (ended, going), masks = masks_and_rows(padded_model, ["regex", "choice"])
     vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-    from nanovllm.sampling.grammar import GrammarState
-
-    ended, going = (Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(["regex", "choice"]))
-    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
     logits = torch.zeros(2, vocab)
     masks.finish(masks.start([ended, going], lambda: {})).apply(logits)
     ended.token_ids, going.token_ids = ([int(torch.isfinite(row).nonzero()[0])] for row in logits)
