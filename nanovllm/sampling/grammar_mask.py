@@ -47,9 +47,7 @@ class GrammarMasks:
     Each step's sampled tokens are taken as soon as the sampler is queued (`after_sample`): the worker waits for
     them, and fills every constrained row's next mask into the buffer the next step uses, while the engine
     schedules and launches that step. `start` then only fills what that did not (new requests, a row whose tokens
-    it missed), after the rows already filled; a row that sat out the step before (a prefill of other requests)
-    takes its mask from the other buffer, where it was filled ahead.
-
+    it missed); a row that sat out the step before (a prefill of others) takes its mask from the other buffer.
     Every row passes here at every step, beside the engine's thread: one loop per phase, xgrammar's bindings called
     with cached handles (at 512 rows, per-row Python costs as much as xgrammar's own work)."""
 
@@ -63,7 +61,7 @@ class GrammarMasks:
         pinned = device.type == "cuda"
         # twice the rows per buffer: a step's rows filled ahead, then the next step's own (at most a batch each)
         both = torch.zeros(2, 2 * max_rows, width, dtype=torch.int32, pin_memory=pinned)
-        self.host = [both[0], both[1]]
+        self.host = list(both)
         self.host_rows = both.view(-1, width).numpy()  # both buffers' rows, read and written without torch calls
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.turn = 0
@@ -143,8 +141,7 @@ class GrammarMasks:
         new = [sampled[row] for row in rows]
         # read before this fill overwrites any of them (a row that sat out a step had its mask in this buffer)
         allowed = self._allowed(new, under[rows] if len(under) > rows[-1] else None)
-        # marked before the fill: the marks only count once ahead[turn] names this generation; until then no mark
-        # names this buffer (a fill that fails may have written some of its rows)
+        # marked before the fill, but no mark counts until ahead[turn] names it (a fill that fails wrote some rows)
         self.ahead[turn] = (-1, 0)
         self._take(states, new, lambda j: seqs[rows[j]].seq_id, allowed, (turn, generation))
         self._fill_rows(turn, states, 0)
@@ -201,20 +198,16 @@ class GrammarMasks:
                 handles.append(state.handle if self.fill_binding else state.matcher)
                 indices.append(j)
         if handles:  # no call at all otherwise: each call into xgrammar or torch lets go of the GIL
-            if self.fill_binding is not None:
-                self.fill_binding(handles, self.host[turn], indices, False)
-            else:
-                self.filler.batch_fill_next_token_bitmask(handles, self.host[turn], indices)
+            (self.fill_binding or self.filler.batch_fill_next_token_bitmask)(handles, self.host[turn], indices, False)
         if stop_rows:
             self.host_rows[[turn * self.host[0].size(0) + j for j in stop_rows]] = self.stop_only
 
     def _take(self, states: list[GrammarState], tokens: list[int], seq_id: Callable[[int], int],
               allowed: list[bool] | None = None, mark: tuple[int, int] | None = None) -> None:
         """Each matcher takes its one new token (seq_id(j): row j's, for the log). allowed: whether the mask each
-        token was sampled under allowed it, when known, which is xgrammar's verdict too (the mask is the set of
-        tokens the matcher accepts); then the verdicts are not read back from xgrammar, which costs one GIL
-        release per row: beside the engine's thread, milliseconds per step. mark: (buffer, generation) of the
-        fill ahead that follows, noted on each state with its row."""
+        token was sampled under allowed it, when known: xgrammar's verdict too (a mask is the set of tokens its
+        matcher accepts), not read back then (xgrammar's public call does, one GIL release per row). mark:
+        (buffer, generation) of the fill ahead that follows, noted on each state with its row."""
         if allowed is None or self.core is None:
             allowed = self._accept_public(states, tokens)
             handles = None
@@ -254,12 +247,11 @@ class GrammarMasks:
         for state in states:
             state.start(self.xgr)
         open_rows = [j for j, state in enumerate(states) if not (state.rejected or state.terminated)]
+        answers = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
+                                                                  [tokens[j] for j in open_rows])
         verdicts = [True] * len(states)
-        if open_rows:
-            answers = self.xgr.BatchGrammarMatcher.batch_accept_token([states[j].matcher for j in open_rows],
-                                                                      [tokens[j] for j in open_rows])
-            for j, ok in zip(open_rows, answers):
-                verdicts[j] = ok
+        for j, ok in zip(open_rows, answers):
+            verdicts[j] = ok
         return verdicts
 
     def _allowed(self, tokens: list[int], sources: np.ndarray | None) -> list[bool] | None:
