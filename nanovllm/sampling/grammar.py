@@ -112,11 +112,6 @@ class GrammarState:
         """Why the grammar did not compile (ValueError), or None; waits for the compile."""
         return self.compiled.exception()
 
-    @property
-    def ended(self) -> bool:
-        """No mask of its own any more: only a stop token may follow."""
-        return self.rejected or self.terminated
-
     def start(self, xgr: Any) -> Any:
         if self.matcher is None:
             self.matcher = xgr.GrammarMatcher(self.compiled.result())

@@ -164,11 +164,9 @@ class GrammarMasks:
             if length > state.num_accepted:  # tokens the matcher has not taken (a fill ahead failed)
                 behind.append(j)
                 sources.append(-1)
-            elif done is not None and done[3] == state.num_accepted and done[:2] == here:
-                sources.append(turn * span + done[2])
-            elif done is not None and done[3] == state.num_accepted and done[:2] == there:
-                sources.append(other * span + done[2])
-                from_other = True
+            elif done is not None and done[3] == state.num_accepted and done[:2] in (here, there):
+                sources.append(done[0] * span + done[2])
+                from_other = from_other or done[0] == other
             else:
                 sources.append(turn * span + used + len(refill))
                 refill.append(state)
