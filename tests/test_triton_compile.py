@@ -22,6 +22,7 @@ from nanovllm.attention.flash_attn_backend import (_dequantize_blocks_kernel, _s
                                                    _store_kvcache_kernel)
 from nanovllm.layers.fused_moe import _grouped_matmul
 from nanovllm.sampling.gumbel_max import _gumbel_max
+from nanovllm.sampling.mask_kernel import _mask_rows
 from nanovllm.sampling.floors import _chunk_maxima, _floors, _recount
 from nanovllm.attention.paged_decode import _decode_attention
 from nanovllm.attention.qk_norm_rope import _qk_norm_rope_kernel
@@ -56,6 +57,10 @@ KERNELS = [
     (_decode_attention, dict(DECODE, FP8_KV=True), FP8),
     *((_gumbel_max, dict(CHUNK=4096, QUARTER=256, MAX_CHUNKS=64, HARDWARE_LOG=True, HAS_FLOOR=floor,
                          HAS_ROW_SEEDS=seeds), {}) for floor in (False, True) for seeds in (False, True)),
+    # structured outputs' mask over float32 logits, rows by source row or in place
+    *((_mask_rows, dict(INDEXED=indexed, BLOCK=4096), {"logits_ptr": "*fp32", "bitmask_ptr": "*i32",
+                                                       "rows_ptr": "*i64", "sources_ptr": "*i64"})
+      for indexed in (True, False)),
     (_chunk_maxima, dict(CHUNK=128, GROUP=16), {}),
     (_recount, dict(BLOCK=4096), {}),
     *((_floors, dict(KP=32, HAS_TOP_K=k, HAS_TOP_P=p, HAS_MIN_P=m), {})

@@ -6,16 +6,16 @@ threads, GIL released) into pinned memory, while the engine's thread completes t
 launches the next. That step's `start`, after its forward is launched, fills only rows not filled ahead (new
 requests; with async scheduling a row's newest token may still be PENDING on the host, taken from the step in
 flight), then `finish` queues the copy to the device, and the sampler applies the mask to the logits before
-anything else (`StepMask.apply`, xgrammar's kernel). A step without constrained rows never comes here."""
+anything else (`StepMask.apply`, sampling/mask_kernel.py). A step without constrained rows never comes here."""
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from nanovllm.sampling.grammar import GrammarState, accept_binding, fill_binding, import_xgrammar
+from nanovllm.sampling.mask_kernel import StepMask
 from nanovllm.sampling.rows import PENDING, SamplingRow
 from nanovllm.utils.device import allowed_cpu_cores
 
@@ -23,20 +23,6 @@ logger = logging.getLogger(__name__)
 # xgrammar's threads for one step's fill. It starts them anew at every call, so more is not faster: at 512 rows
 # on a 16-core host, 4 fill in 1.6 ms, 15 in 2.7 ms, 1 in 2.5 ms. The engine's own thread keeps a core.
 FILL_THREADS = max(1, min(4, allowed_cpu_cores() - 1))
-
-
-@dataclass
-class StepMask:
-    """A step's bitmask for its constrained rows, already queued for the device."""
-
-    bitmask: torch.Tensor  # int32, one row per logits row when `rows` is given, else one per constrained row
-    rows: torch.Tensor | list[int] | None  # the logits rows to mask (None: all of them)
-    vocab_size: int
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Masked tokens' logits to -inf, in place."""
-        import_xgrammar().apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=self.vocab_size,
-                                                      indices=self.rows)
 
 
 class GrammarMasks:
@@ -68,7 +54,6 @@ class GrammarMasks:
         self.ahead = [(0, 0), (0, 0)]  # per buffer: (generation, rows) of the last fill ahead into it
         self.generation = generation
         self.device_rows = torch.zeros(4 * max_rows, width, dtype=torch.int32, device=device) if pinned else None
-        self.device_full = torch.zeros(max_rows, width, dtype=torch.int32, device=device) if pinned else None
         self.filler = self.xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.core = accept_binding(self.xgr)
         self.fill_binding = fill_binding(self.filler, both[0])
@@ -125,8 +110,7 @@ class GrammarMasks:
         if in_place:
             return StepMask(self.device_rows[turn * span:turn * span + batch], None, self.vocab_size)
         index = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-        self.device_full.index_copy_(0, index[0], self.device_rows.index_select(0, index[1]))
-        return StepMask(self.device_full[:batch], index[0], self.vocab_size)
+        return StepMask(self.device_rows, index[0], self.vocab_size, index[1])
 
     def close(self) -> None:
         """Wait for the worker's last fill and stop it (before another GrammarMasks takes over the matchers)."""

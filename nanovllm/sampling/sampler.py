@@ -10,8 +10,9 @@ from torch import nn
 from nanovllm.outputs import Logprob
 from nanovllm.sampling.bad_words import BadWordsMask, bad_words_mask
 from nanovllm.sampling.floors import logit_floors
-from nanovllm.sampling.grammar_mask import GrammarMasks, StepMask
+from nanovllm.sampling.grammar_mask import GrammarMasks
 from nanovllm.sampling.gumbel_max import gumbel_max_sample
+from nanovllm.sampling.mask_kernel import StepMask
 from nanovllm.sampling.penalties import PenaltyHistories, PenaltyTensors, has_penalties
 from nanovllm.sampling.rows import SamplingRow, aligned_rows
 from nanovllm.sampling_params import SamplingParams
