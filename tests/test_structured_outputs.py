@@ -2,8 +2,12 @@
 transformers under the same mask, free rows untouched by constrained ones, and the engine's edges (compile errors
 before any work, padded vocabularies, whitespace bounds, one compile per distinct spec)."""
 import json
+import os
 import re
-import threading
+import subprocess
+import sys
+import time
+from multiprocessing.shared_memory import SharedMemory
 
 import pytest
 import torch
@@ -12,8 +16,9 @@ from hf_reference import assert_no_leaks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.sampling.grammar import JSON_WHITESPACE_LIMIT, GrammarCompiler
+from nanovllm.sampling.grammar import JSON_WHITESPACE_LIMIT, GrammarCompiler, GrammarState
 from nanovllm.sampling.grammar_mask import GrammarMasks
+from nanovllm.sampling.mask_worker import MaskProcess, MaskWorker
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 PADDING = 24  # model rows past the tokenizer's last token
@@ -57,33 +62,83 @@ class Row:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def masks_and_rows(padded_model: str, names: list[str]):
-    """The tokenizer, its grammar compiler (close it), one constrained row per SPECS name, and mask buffers for 8
-    rows on the host, over a vocabulary of 1,024 ids."""
-    from nanovllm.sampling.grammar import GrammarState
+class LocalWorker:
+    """The mask worker's protocol (MaskProcess: send, receive) served in this process, at once: a test reaches the
+    worker's state and can make its calls fail."""
 
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.worker = MaskWorker(compiler.info.serialize_json(), compiler.stop_token_ids)
+        self.answers: list = []
+
+    def send(self, method: str, *args) -> None:
+        if method == "attach":
+            layout, name, threads = args
+            self.shared = SharedMemory(name=name)
+            self.worker.attach(layout, self.shared.buf, threads)
+        elif method == "fill":
+            self.answers.append(self.worker.fill(*args))
+        else:
+            getattr(self.worker, method)(*args)
+
+    def receive(self):
+        return self.answers.pop(0)
+
+
+def masks_and_rows(padded_model: str, names: list[str], local: bool = True, vocab: int = 1024,
+                   device: torch.device = torch.device("cpu"), max_rows: int = 8):
+    """The tokenizer, its grammar compiler (close it), one constrained row per SPECS name (None: a free row), and
+    mask buffers for `max_rows` rows over `vocab` ids, served by a LocalWorker (local) or the worker process."""
     tokenizer = AutoTokenizer.from_pretrained(padded_model)
-    compiler = GrammarCompiler(tokenizer, 1024, [tokenizer.eos_token_id])
-    rows = [Row(i, GrammarState(compiler.submit(SPECS[name]))) for i, name in enumerate(names)]
-    return tokenizer, compiler, rows, GrammarMasks(1024, 8, torch.device("cpu"), [tokenizer.eos_token_id])
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    worker = LocalWorker(compiler) if local else compiler.start_worker(MaskProcess).result()
+    rows = [Row(i, None if name is None else GrammarState(compiler.submit(SPECS[name]), SPECS[name]))
+            for i, name in enumerate(names)]
+    return tokenizer, compiler, rows, GrammarMasks(worker, vocab, max_rows, device)
 
 
-def sample_a_step(masks: GrammarMasks, batch: list[Row], eos: int) -> None:
-    """One step of the host path, as the engine takes it: the step's mask (each row's must be xgrammar's own for
-    its matcher), each row's first allowed token but the end (the end once nothing else is allowed), the tokens
-    to the matchers and the fill ahead, waited for (done, or failed)."""
-    mask = masks.finish(masks.start(batch, lambda: {}))
+class Reference:
+    """xgrammar's own matcher per constrained row, fed the same tokens: what each row's mask must be."""
+
+    def __init__(self, compiler: GrammarCompiler, rows: list[Row], eos: int) -> None:
+        self.eos = eos
+        self.matchers = {row.seq_id: xgr.GrammarMatcher(compiler.submit(row.grammar.spec).result())
+                         for row in rows if row.grammar is not None}
+
+    def masked(self, row: Row, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (one row) as row's mask must leave them: xgrammar's own, or only the end once it ended."""
+        expected = logits.clone()
+        matcher = self.matchers.get(row.seq_id)
+        if matcher is not None and matcher.is_terminated():
+            expected[:] = -float("inf")
+            expected[self.eos] = logits[self.eos]
+        elif matcher is not None:
+            bitmask = xgr.allocate_token_bitmask(1, len(logits))
+            matcher.fill_next_token_bitmask(bitmask)
+            xgr.apply_token_bitmask_inplace(expected[None], bitmask)
+        return expected
+
+    def take(self, row: Row, token: int) -> None:
+        matcher = self.matchers.get(row.seq_id)
+        if matcher is not None and not matcher.is_terminated():
+            assert matcher.accept_token(token), f"row {row.seq_id} sampled {token}, which its grammar refuses"
+
+
+def sample_a_step(masks: GrammarMasks, batch: list[Row], reference: Reference) -> None:
+    """One step of the host path, as the engine takes it: the step's mask (each row's must be the reference's),
+    each row's first allowed token but the end (the end once nothing else is allowed), the tokens to the worker
+    and the fill ahead."""
+    mask = masks.finish(masks.start(batch))
     logits = torch.zeros(len(batch), masks.vocab_size)
     mask.apply(logits)
     tokens = []
     for i, row in enumerate(batch):
-        assert torch.equal(logits[i], own_masked_logits(row.grammar.matcher, masks.vocab_size)), f"row {row.seq_id}"
+        assert torch.equal(logits[i], reference.masked(row, torch.zeros(masks.vocab_size))), f"row {row.seq_id}"
         allowed = torch.isfinite(logits[i]).nonzero().flatten()
-        going_on = allowed[allowed != eos]
-        tokens.append(int(going_on[0]) if len(going_on) else eos)
+        going_on = allowed[allowed != reference.eos]
+        tokens.append(int(going_on[0]) if len(going_on) else reference.eos)
         row.token_ids = row.token_ids + [tokens[-1]]
-    masks.after_sample(batch, [True] * len(batch), lambda: tokens)
-    masks.worker.submit(lambda: None).result()
+        reference.take(row, tokens[-1])
+    masks.after_sample(batch, [True] * len(batch), torch.tensor(tokens))
 
 
 def own_masked_logits(matcher, vocab: int) -> torch.Tensor:
@@ -276,30 +331,27 @@ def test_json_whitespace_is_bounded_and_compact_has_none(padded_model):
 
 
 def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
-    vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-
-    from nanovllm.sampling.grammar import GrammarState
-    rows = [Row(0, None), Row(1, GrammarState(compiler.submit(StructuredOutputsParams(choice=["yes", "no"])))),
-            Row(2, None)]
-    masks = GrammarMasks(vocab, 8, torch.device("cpu"), [tokenizer.eos_token_id])
-    mask = masks.finish(masks.start(rows, lambda: {}))
+    """Through the worker's own process: a constrained row between two free ones."""
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, [None, "choice", None], local=False)
+    vocab = masks.vocab_size
+    mask = masks.finish(masks.start(rows))
     logits = torch.zeros(3, vocab)
     logits[:, vocab - PADDING:] = 100.0  # padded rows a random head may well favour
     mask.apply(logits)
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
-    assert allowed == sorted({tokenizer.encode(w)[0] for w in ("yes", "no")})
+    assert allowed == sorted({tokenizer.encode(w)[0] for w in CHOICES}), allowed
     assert torch.equal(logits[0], logits[2]) and torch.isfinite(logits[0]).all()
+    masks.close()
     compiler.close()
+    assert compiler.worker.result().process.poll() == 0, "the worker did not stop when its compiler closed"
 
 
-@pytest.mark.parametrize("public_accept", [False, True])
-def test_masks_step_by_step_equal_xgrammar_own(padded_model, public_accept):
-    """The host path, step after step: every step's mask equals xgrammar's own, each matcher took its own row's
-    tokens, and one that took the end is marked terminated; also with xgrammar's public batch accept (what an
-    xgrammar whose binding differs gets)."""
-    _masks_step_by_step(padded_model, torch.device("cpu"), public_accept)
+@pytest.mark.parametrize("worker", ["process", "local", "local, xgrammar's public calls"])
+def test_masks_step_by_step_equal_xgrammar_own(padded_model, worker):
+    """The host path, step after step: every step's mask equals xgrammar's own matcher's, fed the same tokens,
+    and a row whose matcher took the end gets only the end; in the worker's process, and in this one with
+    xgrammar's public calls (what an xgrammar whose bindings differ gets)."""
+    _masks_step_by_step(padded_model, torch.device("cpu"), worker)
 
 
 def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_model):
@@ -307,187 +359,140 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     sample: A's and B's masks, filled ahead after their step into the other buffer, are used as they are, and only
     C's first mask is filled when its step starts. Each step's mask equals xgrammar's own."""
     tokenizer, compiler, (a, b, c), masks = masks_and_rows(padded_model, ["json_text_compact", "regex", "choice"])
-    filled = []  # per fill of rows: how many, the step's start's first
-    fill_rows = masks._fill_rows
-    masks._fill_rows = lambda turn, states, first: (filled.append(len(states)), fill_rows(turn, states, first))
+    reference = Reference(compiler, [a, b, c], tokenizer.eos_token_id)
+    filler = masks.worker.worker.filler
+    filled, fill = [], filler.fill  # per fill of rows: how many
+    filler.fill = lambda turn, constraints, first: (filled.append(len(constraints)), fill(turn, constraints, first))
 
     def step(batch: list[Row]) -> None:
         filled.clear()
-        sample_a_step(masks, batch, tokenizer.eos_token_id)
+        sample_a_step(masks, batch, reference)
 
     step([a, b])
     step([c])
     assert filled == [1, 1]  # C's first mask at the start, its next one ahead
     step([a, b, c])
-    assert filled == [0, 3], "A's and B's masks were filled again at the step's start"
+    assert filled == [3], "A's and B's masks were filled again at the step's start"
     step([a, b, c])
     compiler.close()
 
 
-def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_buffer(padded_model):
+def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_buffer(padded_model, caplog):
     """Row S samples one step, then sits out two (a prefill of others); the second of A's and B's fills ahead goes
     into the buffer that holds S's mask, writes over it, and fails. When all three sample again, S's mask is
-    filled anew, not read from that buffer, and A's and B's matchers catch up: every mask is xgrammar's own."""
+    filled anew, not read from that buffer, A's and B's matchers catch up from the tokens the worker kept, every
+    mask is xgrammar's own, and the failure is logged."""
     tokenizer, compiler, (sat_out, a, b), masks = masks_and_rows(padded_model,
                                                                   ["json_text_compact", "regex", "choice"])
-    fill_rows, failing = masks._fill_rows, [False]
+    reference = Reference(compiler, [sat_out, a, b], tokenizer.eos_token_id)
+    filler = masks.worker.worker.filler
+    fill, failing = filler.fill, [False]
 
-    def half_written(turn, states, first):
+    def half_written(turn, constraints, first):
         if failing[0] and first == 0:  # a fill ahead: its rows are written over, then xgrammar fails
-            masks.host[turn][:len(states)] = 0
+            filler.rows[turn * filler.span:turn * filler.span + len(constraints)] = 0
             raise RuntimeError("fill failed")
-        fill_rows(turn, states, first)
-    masks._fill_rows = half_written
+        fill(turn, constraints, first)
+    filler.fill = half_written
 
-    def step(batch: list[Row]) -> None:
-        sample_a_step(masks, batch, tokenizer.eos_token_id)
-
+    step = lambda batch: sample_a_step(masks, batch, reference)  # noqa: E731
     step([sat_out, a, b])  # S's next mask: row 0 of the buffer filled ahead
     step([a, b])
     failing[0] = True
     step([a, b])  # its fill ahead goes to S's buffer, writes rows 0 and 1, fails
     failing[0] = False
     step([sat_out, a, b])
+    assert "filling structured-output masks ahead failed" in caplog.text and "fill failed" in caplog.text
+    step([sat_out, a, b])
     compiler.close()
 
 
 def test_a_token_its_mask_refused_ends_that_row_only(padded_model):
-    """A row whose sampled token its mask did not allow (every allowed token banned, say) is marked rejected and may
-    only end; the row beside it, whose token was allowed, goes on as xgrammar's own matcher would."""
-    tokenizer, compiler, (bad, good), masks = masks_and_rows(padded_model, ["choice", "regex"])
-    vocab = 1024
+    """A row whose sampled token its mask did not allow (every allowed token banned, say) may only end; the row
+    beside it, whose token was allowed, goes on as xgrammar's own matcher would."""
+    tokenizer, compiler, (bad, good), masks = masks_and_rows(padded_model, ["choice", "regex"], local=False)
+    vocab = masks.vocab_size
     logits = torch.zeros(2, vocab)
-    masks.finish(masks.start([bad, good], lambda: {})).apply(logits)
+    masks.finish(masks.start([bad, good])).apply(logits)
     refused = int(torch.isinf(logits[0]).nonzero()[0])
     allowed = int(torch.isfinite(logits[1]).nonzero()[-1])
     bad.token_ids, good.token_ids = [refused], [allowed]
-    masks.after_sample([bad, good], [True, True], lambda: [refused, allowed])
+    masks.after_sample([bad, good], [True, True], torch.tensor([refused, allowed]))
     logits = torch.zeros(2, vocab)
-    masks.finish(masks.start([bad, good], lambda: {})).apply(logits)
-    assert bad.grammar.rejected and not good.grammar.rejected
+    masks.finish(masks.start([bad, good])).apply(logits)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
     own = xgr.GrammarMatcher(good.grammar.compiled.result())
     assert own.accept_token(allowed)
     assert torch.equal(logits[1], own_masked_logits(own, vocab))
+    masks.close()
     compiler.close()
 
 
-def test_a_row_whose_request_ended_before_its_mask_is_filled_gets_a_stop_only_mask(padded_model):
-    """A matcher behind its row's tokens (no fill ahead took them) whose request ends while the step's mask waits
-    for the worker (the engine cuts the token slots past the end): the step still gets its mask, that row's
-    allowing only the end, and the row beside it is xgrammar's own."""
-    tokenizer, compiler, (ended, going), masks = masks_and_rows(padded_model, ["regex", "choice"])
-    vocab = 1024
-    logits = torch.zeros(2, vocab)
-    masks.finish(masks.start([ended, going], lambda: {})).apply(logits)
-    ended.token_ids, going.token_ids = ([int(torch.isfinite(row).nonzero()[0])] for row in logits)
-    hold = threading.Event()
-    masks.worker.submit(hold.wait)  # the worker is busy while the next step starts
-    started = masks.start([ended, going], lambda: {})
-    ended.token_ids = []  # its request ended meanwhile
-    hold.set()
-    logits = torch.zeros(2, vocab)
-    masks.finish(started).apply(logits)
-    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
-    own = xgr.GrammarMatcher(going.grammar.compiled.result())
-    assert own.accept_token(going.token_ids[0])
-    assert torch.equal(logits[1], own_masked_logits(own, vocab))
+def test_a_worker_that_died_is_an_error_not_a_hang(padded_model):
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, ["regex"], local=False)
+    masks.finish(masks.start(rows))
+    process = compiler.worker.result().process
+    process.kill()
+    process.wait()
+    with pytest.raises(RuntimeError, match=r"the structured-output mask worker exited \(code -9\)"):
+        masks.finish(masks.start(rows))
+    masks.close()
     compiler.close()
 
 
-def test_a_bigger_batch_takes_over_the_matchers_after_the_last_fill_ahead(padded_model):
-    """A constrained batch wider than the mask buffers makes new ones, while the old worker may still wait for the
-    step in flight's tokens to take them into the same matchers: the new buffers wait for it, so each token is
-    taken once and the next mask is xgrammar's own."""
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
-    vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-    from nanovllm.sampling.grammar import GrammarState
-    from nanovllm.sampling.sampler import Sampler
-
-    row = Row(0, GrammarState(compiler.submit(SPECS["regex"])))
-    sampler = Sampler([tokenizer.eos_token_id])
-    logits = torch.zeros(1, vocab)
-    sampler.finish_grammar_mask(sampler.grammar_mask([row], logits, lambda: {})).apply(logits)
-    token = int(torch.isfinite(logits[0]).nonzero()[0])
-    row.token_ids = [token]
-    arrived = threading.Event()  # the step's tokens, still on the device for a moment
-    threading.Timer(0.3, arrived.set).start()
-    sampler.grammar_after_sample([row], [True], lambda: (arrived.wait(), [token])[1])
-    old = sampler.grammar_masks
-    wide = [row] + [Row(i, None) for i in range(1, old.max_rows + 1)]
-    logits = torch.zeros(len(wide), vocab)
-    sampler.finish_grammar_mask(sampler.grammar_mask(wide, logits, lambda: {})).apply(logits)
-    assert sampler.grammar_masks is not old
-    old.worker.shutdown(wait=True)  # whatever the old worker still had to do is done
-    assert row.grammar.num_accepted == 1
-    own = xgr.GrammarMatcher(row.grammar.compiled.result())
-    assert own.accept_token(token)
-    for matcher in (own, row.grammar.matcher):
-        assert torch.equal(logits[0], own_masked_logits(matcher, vocab))
-    compiler.close()
+def test_the_engine_stops_its_mask_worker_and_frees_its_memory_at_exit(padded_model):
+    with LLM(padded_model, num_kvcache_blocks=48, max_model_len=1024) as engine:
+        engine.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=SPECS["regex"]), use_tqdm=False)
+        process = engine.requests.grammars.worker.result().process
+        name = engine.model_runner.sampler.grammar_masks.shared.name
+    assert process.poll() == 0
+    with pytest.raises(FileNotFoundError):
+        SharedMemory(name=name)
 
 
 @pytest.mark.gpu
 def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
-    """The device path, step after step (both pinned buffers in turn; a constrained subset scattered by row, and
-    every row constrained; rows sitting out a step; masks filled ahead after a step's sampling, or at the next
-    start): the logits it masks
-    on the GPU equal xgrammar's CPU masking of the same logits."""
-    _masks_step_by_step(padded_model, torch.device("cuda"))
+    """The device path through the worker's process, step after step (both shared buffers in turn; a constrained
+    subset scattered by row, and every row constrained; rows sitting out a step; masks filled ahead after a step's
+    sampling once the device wrote its tokens, or at the next start): the logits it masks on the GPU equal
+    xgrammar's CPU masking of the same logits."""
+    _masks_step_by_step(padded_model, torch.device("cuda"), "process")
 
 
-def _masks_step_by_step(padded_model: str, device: torch.device, public_accept: bool = False) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(padded_model)
-    vocab = 1024
-    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
-    from nanovllm.sampling.grammar import GrammarState
-
-    specs = list(SPECS.values())
-    rows = [Row(i, None if i % 3 == 0 else GrammarState(compiler.submit(specs[i % len(specs)]))) for i in range(9)]
-    masks = GrammarMasks(vocab, 16, device, [tokenizer.eos_token_id])
-    assert masks.core is not None, "this xgrammar changed the binding accept_binding calls: the fast accept is off"
-    assert masks.fill_binding is not None, "this xgrammar changed the binding fill_binding calls: the fast fill is off"
-    if public_accept:  # and the public fill
-        masks.core = masks.fill_binding = None
+def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) -> None:
+    names = [None if i % 3 == 0 else list(SPECS)[i % len(SPECS)] for i in range(9)]
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, names, local=worker != "process",
+                                                      device=device, max_rows=16)
+    if worker.startswith("local"):
+        filler = masks.worker.worker.filler
+        assert filler.core is not None, "this xgrammar changed the binding accept_binding calls: fast accept off"
+        assert filler.fill_binding is not None, "this xgrammar changed the binding fill_binding calls: fast fill off"
+        if "public" in worker:
+            filler.core = filler.fill_binding = None
+    reference = Reference(compiler, rows, tokenizer.eos_token_id)
     generator = torch.Generator().manual_seed(0)
     for step in range(12):
         batch = rows if step % 2 == 0 else [r for r in rows if r.grammar is not None]  # all, then a subset
         if step % 4 == 3:  # some constrained rows sit out a step (a prefill of other requests)
             batch = [r for r in batch if r.seq_id % 2 == 0]
-        logits = torch.randn(len(batch), vocab, generator=generator)
-        mask = masks.finish(masks.start(batch, lambda: {}))
+        logits = torch.randn(len(batch), masks.vocab_size, generator=generator)
+        mask = masks.finish(masks.start(batch))
         on_device = logits.to(device)
         mask.apply(on_device)
-        expected = logits.clone()
-        for i, row in enumerate(batch):
-            if row.grammar is not None and row.grammar.matcher.is_terminated():  # it may only end (again)
-                end = expected[i, tokenizer.eos_token_id].item()
-                expected[i] = -float("inf")
-                expected[i, tokenizer.eos_token_id] = end
-            elif row.grammar is not None:
-                bitmask = xgr.allocate_token_bitmask(1, vocab)
-                row.grammar.matcher.fill_next_token_bitmask(bitmask)
-                xgr.apply_token_bitmask_inplace(expected[i:i + 1], bitmask)
+        expected = torch.stack([reference.masked(row, logits[i]) for i, row in enumerate(batch)])
         assert torch.equal(on_device.cpu(), expected), f"step {step}"
+        kept = step % 3 != 2  # every third step's tokens are dropped (a prefill chunk short of its prompt's end)
         sampled = []
         for i, row in enumerate(batch):  # each row takes its best allowed token but the end, as a step would
             scores = expected[i].clone()
             scores[tokenizer.eos_token_id] = -float("inf")
-            sampled.append(int(scores.argmax()))
-            if row.grammar is not None and not torch.isfinite(scores.max()):
-                sampled[-1] = tokenizer.eos_token_id  # the grammar is complete
-            row.token_ids = row.token_ids + [sampled[-1]]
-        if step % 3 != 2:  # the matchers take the tokens and fill ahead; every third step they wait for start
-            masks.after_sample(batch, [True] * len(batch), lambda sampled=sampled: sampled)
-    masks.finish(masks.start(rows, lambda: {}))  # every matcher takes the last step's tokens
-    for row in rows:
-        if row.grammar is not None:
-            fresh = xgr.GrammarMatcher(row.grammar.compiled.result())
-            taken = row.token_ids[:row.grammar.num_accepted]
-            assert len(taken) == len(row.token_ids)
-            assert all(fresh.accept_token(t) for t in taken if not fresh.is_terminated())
-            assert not row.grammar.rejected and row.grammar.terminated == fresh.is_terminated()
+            sampled.append(int(scores.argmax()) if torch.isfinite(scores.max()) else tokenizer.eos_token_id)
+            if kept:
+                row.token_ids = row.token_ids + [sampled[-1]]
+                reference.take(row, sampled[-1])
+        masks.after_sample(batch, [kept] * len(batch), torch.tensor(sampled, device=device))
+    assert any(m.is_terminated() for m in reference.matchers.values()), "no row reached its grammar's end"
+    masks.close()
     compiler.close()
 
 
@@ -511,3 +516,38 @@ def test_gpu_engine_constrains_its_rows_and_runs_the_free_ones_whole(small_model
             else:
                 assert kinds[i % len(kinds)] == "json_object", sample.text
         assert_no_leaks(llm)
+
+
+@pytest.mark.slow
+def test_a_killed_engine_leaves_no_mask_worker_behind(padded_model, tmp_path):
+    """kill -9 of the engine's process: its mask worker sees the pipe close and exits."""
+    script = tmp_path / "engine.py"
+    script.write_text(f"""
+from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+llm = LLM({padded_model!r}, num_kvcache_blocks=48, max_model_len=1024)
+llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+")),
+             use_tqdm=False)
+print(llm.requests.grammars.worker.result().process.pid, flush=True)
+import time; time.sleep(600)
+""")
+    engine = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    worker = int(engine.stdout.readline())
+    engine.kill()
+    engine.wait()
+    deadline = time.monotonic() + 20
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker), f"mask worker {worker} outlived its engine"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as gone
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

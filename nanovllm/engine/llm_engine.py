@@ -35,9 +35,8 @@ class LLMEngine:
 
     def __init__(self, model: str, **options) -> None:
         self.startup = StartupTimes()  # where start-up goes (engine/startup.py)
-        config = checked_config(model, **options)
+        self.config = config = checked_config(model, **options)
         self.startup.lap("config")
-        self.config = config
         self.workers = None
         self._exited = True  # until there is something to release
         # everything that can be checked without the model, before any process or memory is taken
@@ -101,6 +100,7 @@ class LLMEngine:
                 self.model_runner.exit()
             finally:
                 del self.model_runner
+                self.requests.close()  # the structured-output mask worker, if one was started
                 if self.workers is not None:
                     self.workers.close()
         if torch.cuda.is_available():

@@ -1,6 +1,5 @@
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -95,7 +94,7 @@ class ModelRunner:
             if seconds is not None and rank == 0:
                 logger.info("FP8 matmuls routed to FlashInfer below some batch sizes (%s): kernels compiled or "
                             "loaded in %.1f s", describe_routes(), seconds)
-        self.sampler = Sampler(config.eos_token_ids, self.device)
+        self.sampler = Sampler(config.eos_token_ids, self.device, max_rows=config.max_num_seqs)
         self.kv_layout = KVCacheLayout(hf_config.num_hidden_layers, self.block_size,
                                        hf_config.num_key_value_heads // self.tp.size, head_dim(hf_config),
                                        kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device))
@@ -145,6 +144,7 @@ class ModelRunner:
         self.graphs = None
         if self.use_cuda:
             torch.cuda.synchronize()
+        self.sampler.close()
         self.tp.close()
         # the cache and the model go with the engine even while something still holds this runner or the model (a
         # caller's variable, a traceback): the next engine in the process sizes its cache from what is free
@@ -263,8 +263,7 @@ class ModelRunner:
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
             # structured outputs: the mask is filled in a thread while the device runs the forward and the engine
             # completes the step before; sampling waits for it in finish()
-            mask = self.sampler.grammar_mask(seqs, logits, lambda: dict(zip(
-                [seq.seq_id for seq in previous.seqs], previous.result()))) if self.rank == 0 else None
+            mask = self.sampler.grammar_mask(seqs, logits) if self.rank == 0 else None
         finally:
             reset_context()
         # which rows' tokens are kept (a prefill chunk short of its prompt's end samples a token that is dropped)
@@ -281,7 +280,7 @@ class ModelRunner:
             sample, step.sample = step.sample, None
             sample()
 
-    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, mask: Future | None,
+    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, mask: int | None,
                 kept: list[bool] | None) -> None:
         if self.rank == 0:
             if mask is not None:
@@ -294,6 +293,6 @@ class ModelRunner:
         if self.rank == 0:
             step.copy_to_host(token_ids, logprobs)
             if mask is not None:
-                self.sampler.grammar_after_sample(step.seqs, kept, step.result)
+                self.sampler.grammar_after_sample(step.seqs, kept, token_ids)
         else:
             step.token_ids = token_ids

@@ -10,6 +10,7 @@ from nanovllm.engine.prompts import samples_of
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling.bad_words import bad_words_token_ids
 from nanovllm.sampling.grammar import GrammarCompiler, GrammarState
+from nanovllm.sampling.mask_worker import MaskProcess
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -84,7 +85,7 @@ class RequestBuilder:
         for seq in others:
             seq.prompt_owner = first
         for seq in (first, *others) if compiled is not None else ():
-            seq.grammar = GrammarState(compiled)
+            seq.grammar = GrammarState(compiled, params.structured_outputs, self.grammars.worker)
         return [first, *others]
 
     def grammar_compiler(self) -> GrammarCompiler:
@@ -93,7 +94,12 @@ class RequestBuilder:
             eos = self.tokenizer.eos_token_id
             stop = {*self.config.eos_token_ids, *([eos] if isinstance(eos, int) and eos < self.vocab_size else [])}
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(stop))
+            self.grammars.start_worker(MaskProcess)  # the matchers' process (sampling/mask_worker.py): seconds to start
         return self.grammars
+
+    def close(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
 
     @staticmethod
     def check_grammars(requests: Iterable[list[Sequence]]) -> None:

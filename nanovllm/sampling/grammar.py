@@ -1,19 +1,22 @@
 """Structured outputs, compiling: a StructuredOutputsParams -> xgrammar's CompiledGrammar, once per distinct spec,
-in a thread pool beside the engine's thread (xgrammar releases the GIL while it compiles), and the per-request
-matcher that follows the tokens a request generates (sampling/grammar_mask.py turns matchers into masks).
+in a thread pool beside the engine's thread (xgrammar releases the GIL while it compiles), so that a spec that
+does not compile fails its request before any work; and the per-request state the engine keeps (the matchers live
+in the mask worker's process, sampling/mask_worker.py, which compiles each spec too).
 
 xgrammar is imported on the first constrained request, so an engine that never sees one pays nothing for it."""
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from nanovllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # not imported at run time: the mask worker's process starts without transformers
+    from transformers import PreTrainedTokenizerBase
 
 # whitespace characters JSON may hold in a row between two tokens, unless disable_any_whitespace: enough for a
 # newline and an indent, too few for a weak model to spend its max_tokens on blanks
@@ -47,15 +50,28 @@ class GrammarCompiler:
     """Compiles specs against one tokenizer. `vocab_size` is the model's (the logits' width, which may be padded past
     the tokenizer's); `stop_token_ids` end a constrained output where the grammar allows it to end."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase | None", vocab_size: int, stop_token_ids: list[int],
+                 tokenizer_info: Any = None) -> None:
+        """tokenizer_info: xgrammar's tables of the tokenizer, when already built (the mask worker's copy)."""
         self.xgr = import_xgrammar()
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(set(stop_token_ids))
-        info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=self.stop_token_ids)
-        self.compiler = self.xgr.GrammarCompiler(info, cache_enabled=False)  # the cache below keys by spec
+        self.info = tokenizer_info or self.xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_token_ids)
+        self.compiler = self.xgr.GrammarCompiler(self.info, cache_enabled=False)  # the cache below keys by spec
         self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="nanovllm-grammar")
         self.compiled: OrderedDict[tuple, Future] = OrderedDict()
+        self.worker: Future | None = None  # the engine's mask worker (MaskProcess), once start_worker() is called
+        self.worker_lock = threading.Lock()
+        self.unsent: list[StructuredOutputsParams] = []  # specs taken while the worker starts
+
+    def start_worker(self, launch: Callable[[Any, list[int]], Any]) -> Future:
+        """Start the mask worker (launch(tokenizer info, stop tokens): sampling/mask_worker.py's MaskProcess)
+        beside the engine's thread; the specs compiled here are compiled there too as they come, so each is ready
+        there when its request first runs."""
+        if self.worker is None:
+            self.worker = self.pool.submit(self._start_worker, launch)
+        return self.worker
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """The spec's compiled grammar, or a ValueError saying why it does not compile, as a future."""
@@ -65,12 +81,30 @@ class GrammarCompiler:
             future = self.compiled[key] = self.pool.submit(self._compile, spec)
             while len(self.compiled) > CACHE_SIZE:
                 self.compiled.popitem(last=False)
+            if self.worker is not None:
+                with self.worker_lock:
+                    if self.worker.done() and self.worker.exception() is None:
+                        self.worker.result().send("compile", spec)
+                    else:
+                        self.unsent.append(spec)
         else:
             self.compiled.move_to_end(key)
         return future
 
     def close(self) -> None:
+        if self.worker is not None:
+            wait([self.worker])
+            if not self.worker.cancelled() and self.worker.exception() is None:
+                self.worker.result().close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _start_worker(self, launch: Callable[[Any, list[int]], Any]) -> Any:
+        process = launch(self.info, self.stop_token_ids)
+        with self.worker_lock:
+            for spec in self.unsent:
+                process.send("compile", spec)
+            self.unsent = []
+        return process
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         kind = spec.kind
@@ -94,49 +128,15 @@ class GrammarCompiler:
 
 @dataclass
 class GrammarState:
-    """One request's constraint: its compiled grammar (a future until compiled), then the matcher that has taken
-    the first `num_accepted` generated tokens. Each of n samples has its own."""
+    """One request's constraint (each of n samples has its own): its spec, compiled here (a future, for the
+    errors), and the mask worker that keeps its matcher (sampling/mask_worker.py), where it is `slot` once the
+    engine has run it."""
 
     compiled: Future
-    matcher: Any = None
-    num_accepted: int = 0
-    rejected: bool = False  # a token the grammar refused was sampled (every allowed one banned): end the output
-    terminated: bool = False  # the matcher took a stop token: the output ends
-    stop_token_ids: frozenset[int] = frozenset()  # the matcher's, read once: which tokens may terminate it
-    # where the matcher's next mask was filled ahead (sampling/grammar_mask.py): (buffer, generation, row,
-    # num_accepted then)
-    filled: tuple[int, int, int, int] | None = None
-    handle: Any = None  # the matcher's binding object (xgrammar's private _handle), for calls without wrappers
+    spec: StructuredOutputsParams
+    worker: Future | None = None  # of a MaskProcess
+    slot: int | None = None
 
     def error(self) -> BaseException | None:
         """Why the grammar did not compile (ValueError), or None; waits for the compile."""
         return self.compiled.exception()
-
-    def start(self, xgr: Any) -> Any:
-        if self.matcher is None:
-            self.matcher = xgr.GrammarMatcher(self.compiled.result())
-            self.stop_token_ids = frozenset(self.matcher.stop_token_ids)
-            self.handle = getattr(self.matcher, "_handle", None)
-        return self.matcher
-
-
-def accept_binding(xgr: Any) -> Any:
-    """xgrammar's binding under its public batch accept, if it takes a call that does not read the answers back
-    (grammar_mask.py knows them already); else None, and the public call is used."""
-    core = getattr(getattr(xgr, "base", None), "_core", None)
-    try:
-        core.BatchGrammarMatcher.batch_accept_token([], [], False)
-    except Exception:  # noqa: BLE001 - another xgrammar version: any failure means "use the public call"
-        return None
-    return core
-
-
-def fill_binding(filler: Any, bitmask: Any) -> Callable | None:
-    """xgrammar's binding under its public batch fill (which makes a list of the matchers' handles first), if it
-    takes the call grammar_mask.py makes (cached handles); else None."""
-    try:
-        binding = filler._handle.batch_fill_next_token_bitmask
-        binding([], bitmask, [], False)
-    except Exception:  # noqa: BLE001 - another xgrammar version: use the public call
-        return None
-    return binding

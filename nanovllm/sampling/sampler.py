@@ -1,6 +1,4 @@
-from collections.abc import Callable
 from collections.abc import Sequence as Rows
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,7 +102,8 @@ class Sampler(nn.Module):
     It owns sampling policy: `prepare` turns a batch's requests into SamplingTensors, `forward` samples."""
 
     def __init__(self, eos_token_ids: Rows[int] = (), device: torch.device = torch.device("cpu"),
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, max_rows: int = 256) -> None:
+        """max_rows: the most rows a step has (the engine's max_num_seqs)."""
         super().__init__()
         # the engine's own stream for rows without a seed: other engines and user code in the process neither
         # draw from it nor reseed it (a host generator: the GPU path draws one key per step from it)
@@ -115,6 +114,7 @@ class Sampler(nn.Module):
         self.counters: torch.Tensor | None = None  # scratch for the Triton kernel, which leaves it at zero
         self.penalty_histories = PenaltyHistories(device)
         self.top_p_by_sort = False  # top-p without top-k by a sort of the row, not the GPU's search (A/B runs)
+        self.max_rows = max_rows
         self.grammar_masks: GrammarMasks | None = None  # made at the first constrained step
 
     def reseed(self, seed: int | None) -> None:
@@ -164,29 +164,29 @@ class Sampler(nn.Module):
         tensors.num_logprobs = max(wanted) if wanted else None
         return tensors
 
-    def grammar_mask(self, seqs: list[SamplingRow], logits: torch.Tensor,
-                     pending_tokens: Callable[[], dict[int, int]]) -> Future | None:
+    def grammar_mask(self, seqs: list[SamplingRow], logits: torch.Tensor) -> int | None:
         """Start the structured-output mask of a step whose forward is launched (sampling/grammar_mask.py), or None
-        when no row is constrained; `finish_grammar_mask` it. pending_tokens(): the step in flight's by seq_id."""
-        if all(seq.grammar is None for seq in seqs):
+        when no row is constrained; `finish_grammar_mask` it."""
+        constrained = next((seq.grammar for seq in seqs if seq.grammar is not None), None)
+        if constrained is None:
             return None
-        masks = self.grammar_masks
-        if masks is None or len(seqs) > masks.max_rows or logits.size(1) != masks.vocab_size:
-            if masks is not None:
-                masks.close()  # its worker may still be taking the last step's tokens into the same matchers
-                if logits.is_cuda:
-                    torch.cuda.synchronize()  # no copy from the old buffers may still be queued
-            self.grammar_masks = masks = GrammarMasks(logits.size(1), max(256, len(seqs)), logits.device,
-                                                      list(self.eos_token_ids), masks.generation + 1 if masks else 0)
-        return masks.start(seqs, pending_tokens)
+        if self.grammar_masks is None:  # the worker started with the engine's first constrained request
+            self.grammar_masks = GrammarMasks(constrained.worker.result(), logits.size(1), self.max_rows,
+                                              logits.device)
+        return self.grammar_masks.start(seqs)
 
-    def finish_grammar_mask(self, filled: Future) -> StepMask:
-        return self.grammar_masks.finish(filled)
+    def finish_grammar_mask(self, started: int) -> StepMask:
+        return self.grammar_masks.finish(started)
 
-    def grammar_after_sample(self, seqs: list[SamplingRow], sampled: list[bool], tokens: Callable[[], list[int]]):
+    def grammar_after_sample(self, seqs: list[SamplingRow], sampled: list[bool], token_ids: torch.Tensor) -> None:
         """A constrained step's sampler is queued: its tokens go to the matchers and their next masks are filled
         ahead, while the engine prepares the next step (sampling/grammar_mask.py)."""
-        self.grammar_masks.after_sample(seqs, sampled, tokens)
+        self.grammar_masks.after_sample(seqs, sampled, token_ids)
+
+    def close(self) -> None:
+        if self.grammar_masks is not None:
+            self.grammar_masks.close()
+            self.grammar_masks = None
 
     def forward(self, logits: torch.Tensor, params: SamplingTensors) -> SamplerOutput:
         if params.grammar is not None:  # so logprobs, as vLLM's, are of the constrained distribution

@@ -1,0 +1,294 @@
+"""Structured outputs, the mask worker: a process of its own that keeps every constrained request's xgrammar
+matcher, takes each step's sampled tokens into them and fills their next bitmasks into memory it shares with the
+engine (sampling/grammar_mask.py is the engine's side, and says when each message is sent).
+
+At 512 rows, a step's xgrammar calls and the Python around them take about 3 ms on the path from one step's
+tokens to the next step's sampler. In a thread of the engine's process, that Python held the engine's GIL while
+the engine launched the next step (0.8 ms longer per step) and waited for it. Here none of it does. Messages come
+through a pipe, in order, each `[method, *args]` of MaskWorker; only `fill` is answered (with the errors of the
+`ahead`s before it, which nothing waits for).
+
+Shared memory: two bitmask buffers of 2 x max_rows rows each (one may still be copying to the device while the
+next step fills the other), a step's sampled tokens (written by the device) and two counters the device writes
+after them: the last step whose tokens have landed, and the last copy of the buffers to the device that is done.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing import resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+from nanovllm.sampling.grammar import GrammarCompiler, import_xgrammar
+from nanovllm.sampling.grammar_fill import FILL_THREADS, Constraint, MaskFiller
+from nanovllm.sampling_params import StructuredOutputsParams
+
+TOKENS_LANDED, COPY_DONE = 0, 1  # the counters
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """Where the worker's shared memory holds what: `max_rows` rows a step at most, bitmask rows `width` words."""
+
+    max_rows: int
+    width: int
+
+    @property
+    def span(self) -> int:  # rows per buffer: a step's rows filled ahead, then the next step's own
+        return 2 * self.max_rows
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.span * self.width * 4 + self.max_rows * 8 + 2 * 8
+
+    def views(self, buffer: memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(bitmask rows of both buffers, [2 * span, width] int32; tokens, int64; counters, int64)."""
+        rows = np.ndarray((2 * self.span, self.width), np.int32, buffer)
+        offset = rows.nbytes
+        tokens = np.ndarray((self.max_rows,), np.int64, buffer, offset)
+        counters = np.ndarray((2,), np.int64, buffer, offset + tokens.nbytes)
+        return rows, tokens, counters
+
+
+class MaskWorker:
+    """The matchers and the fills, in the worker process (`serve`; tests drive one in their own). Its compiler
+    builds what the engine's compiled (xgrammar's compiled grammars do not cross processes cheaply)."""
+
+    def __init__(self, tokenizer_info_json: str, stop_token_ids: list[int]) -> None:
+        self.xgr = import_xgrammar()
+        info = self.xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
+        self.compiler = GrammarCompiler(None, info.vocab_size, stop_token_ids, tokenizer_info=info)
+        self.stop_token_ids = stop_token_ids
+        self.grammars: dict[int, Future] = {}  # by slot: its compiled grammar
+        self.constraints: dict[int, Constraint] = {}
+        self.filled_ahead = [(0, 0), (0, 0)]  # per buffer: (generation, rows) of the last fill ahead into it
+        self.sampled_under = np.full(0, -1)  # by row of the last filled step: the mask row it is sampled under
+        self.errors: list[str] = []  # of fills ahead, sent with the next fill's answer
+
+    def attach(self, layout: SharedLayout, shared: memoryview, fill_threads: int = FILL_THREADS) -> None:
+        """The engine's shared memory (its first constrained step makes it)."""
+        self.layout = layout
+        self.rows, self.tokens, self.counters = layout.views(shared)
+        self.filler = MaskFiller(self.xgr, self.rows, layout.span, self.stop_token_ids, fill_threads)
+
+    def release(self) -> None:
+        """Let go of the shared memory's views (it cannot be closed while numpy arrays point into it)."""
+        self.filler = self.rows = self.tokens = self.counters = None
+
+    def compile(self, spec: StructuredOutputsParams) -> None:
+        """Start compiling a spec the engine just took (so it is ready here when its request first runs)."""
+        self.compiler.submit(spec)
+
+    def add(self, new: list[tuple[int, StructuredOutputsParams]]) -> None:
+        """Requests the engine runs for the first time: (slot, spec) each. One message's requests of one spec
+        share its object (pickle keeps them one), so its key is made once."""
+        by_object: dict[int, Future] = {}
+        for slot, spec in new:
+            if id(spec) not in by_object:
+                by_object[id(spec)] = self.compiler.submit(spec)
+            self.grammars[slot] = by_object[id(spec)]
+
+    def drop(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.grammars.pop(slot, None)
+            self.constraints.pop(slot, None)
+
+    def constraint(self, slot: int) -> Constraint:
+        found = self.constraints.get(slot)
+        if found is None:
+            matcher = self.xgr.GrammarMatcher(self.grammars[slot].result())
+            found = self.constraints[slot] = Constraint(matcher, getattr(matcher, "_handle", None),
+                                                        frozenset(matcher.stop_token_ids))
+        return found
+
+    def ahead(self, rows: list[int], slots: list[int], turn: int, generation: int, tokens: list[int] | None,
+              copy_done: int) -> None:
+        """A step's sampled rows (rows: their places in the step; slots: their requests): take their tokens (None:
+        once the device has written them here) into the matchers and fill their next masks into buffer `turn`, for
+        the next step. copy_done: the last copy to the device that read that buffer."""
+        try:
+            self.wait(TOKENS_LANDED, generation if tokens is None else 0)
+            self.wait(COPY_DONE, copy_done)
+            new = [int(t) for t in self.tokens[rows]] if tokens is None else [tokens[row] for row in rows]
+            constraints = [self.constraint(slot) for slot in slots]
+            for constraint, token in zip(constraints, new):
+                constraint.tokens.append(token)
+            under = self.sampled_under[rows] if len(self.sampled_under) > rows[-1] else None
+            allowed = self.filler.allowed(new, under)  # read before this fill overwrites any of those rows
+            self.filled_ahead[turn] = (-1, 0)  # no mark counts until this names it (a fill that fails wrote some rows)
+            self.filler.take(constraints, new, allowed, (turn, generation))
+            self.filler.fill(turn, constraints, 0)
+            self.filled_ahead[turn] = (generation, len(constraints))
+        except Exception:  # noqa: BLE001 - nothing waits for a fill ahead: the next fill says what failed
+            self.errors.append(traceback.format_exc())
+
+    def fill(self, work: list[tuple[int, int, int]], batch: int, turn: int,
+             copy_done: int) -> tuple[list[int], list[int], list[int], list[str]]:
+        """A step's constrained rows, (row, slot, tokens sampled so far) each: where each one's mask is (a row of
+        either buffer: one that sat out the last step has it in the buffer before), filling those not filled ahead
+        into buffer `turn`. Returns (rows, source rows, rows used per buffer, errors of the fills ahead)."""
+        span, other = self.layout.span, turn ^ 1
+        (generation, used), (other_generation, other_used) = self.filled_ahead[turn], self.filled_ahead[other]
+        if used + len(work) > span:  # cannot happen with batches of max_rows; stay correct
+            generation, used = -1, 0
+            self.filled_ahead[turn] = (0, 0)
+        here, there = (turn, generation), (other, other_generation)
+        sources, refill, from_other = [], [], False
+        for _, slot, length in work:
+            constraint = self.constraint(slot)
+            done = constraint.filled
+            if length != constraint.num_accepted:
+                self.catch_up(constraint, length)
+            elif done is not None and done[3] == length and done[:2] in (here, there):
+                sources.append(done[0] * span + done[2])
+                from_other = from_other or done[0] == other
+                continue
+            sources.append(turn * span + used + len(refill))
+            refill.append(constraint)
+        if refill:
+            self.wait(COPY_DONE, copy_done)  # the rows past those filled ahead may still be copying
+            self.filler.fill(turn, refill, used)
+        counts = [0, 0]
+        counts[turn], counts[other] = used + len(refill), other_used if from_other else 0
+        rows = [row for row, _, _ in work]
+        self.sampled_under = np.full(batch, -1)
+        self.sampled_under[rows] = sources
+        errors, self.errors = self.errors, []
+        return rows, sources, counts, errors
+
+    def catch_up(self, constraint: Constraint, length: int) -> None:
+        """A matcher not at its row's `length` tokens: behind (a fill ahead failed: take the rest one by one), or
+        past it (its request ended meanwhile and the engine cut the slots of steps launched after the end: that
+        row's token is dropped, and any mask does)."""
+        if length < constraint.num_accepted or length > len(constraint.tokens):
+            constraint.terminated = True
+            return
+        if not (constraint.rejected or constraint.terminated):
+            if not all(constraint.matcher.accept_token(t) for t in constraint.tokens[constraint.num_accepted:length]):
+                self.filler.reject(constraint)
+            constraint.terminated = constraint.matcher.is_terminated()
+        constraint.num_accepted = length
+
+    def wait(self, counter: int, value: int) -> None:
+        """Until the device has written `value` (or more) to a counter: a spin, then short sleeps."""
+        start = time.perf_counter()
+        parent = os.getppid()
+        while self.counters[counter] < value:
+            waited = time.perf_counter() - start
+            if waited > 0.002:
+                time.sleep(0.0001)
+                if waited > 1.0 and os.getppid() != parent:
+                    raise SystemExit("nanovllm mask worker: the engine is gone")
+
+
+class MaskProcess:
+    """The engine's end of its mask worker: a `python -m nanovllm.sampling.mask_worker` process (not a
+    multiprocessing child: a user's script without a main guard must not run again in it) and a pipe each way."""
+
+    def __init__(self, tokenizer_info: Any, stop_token_ids: list[int]) -> None:
+        # the tokenizer's tables (megabytes) go through a file: through the pipe they would hold the engine's
+        # thread until the worker has started and read them
+        with tempfile.NamedTemporaryFile("w", prefix="nanovllm-tokenizer-", suffix=".json", delete=False) as file:
+            file.write(tokenizer_info.serialize_json())
+        worker_reads, engine_writes = os.pipe()
+        engine_reads, worker_writes = os.pipe()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
+        # a session of its own: a Ctrl-C is the engine's to handle, and the worker ends when the engine closes
+        # its end of the pipe (or dies)
+        self.process = subprocess.Popen([sys.executable, "-m", "nanovllm.sampling.mask_worker", str(worker_reads),
+                                         str(worker_writes)], pass_fds=(worker_reads, worker_writes), env=env,
+                                        start_new_session=True)
+        os.close(worker_reads)
+        os.close(worker_writes)
+        self.outgoing = Connection(engine_writes, readable=False)
+        self.incoming = Connection(engine_reads, writable=False)
+        self.lock = threading.Lock()  # the compiler's hints come from the caller's thread
+        self.send(file.name, stop_token_ids)
+
+    def send(self, method: str, *args: Any) -> None:
+        with self.lock:
+            try:
+                self.outgoing.send([method, *args])
+            except OSError as error:
+                raise self._gone() from error
+
+    def receive(self) -> Any:
+        try:
+            return self.incoming.recv()
+        except (EOFError, OSError) as error:
+            raise self._gone() from error
+
+    def close(self) -> None:
+        try:
+            self.send("close")
+        except RuntimeError:
+            pass
+        self.outgoing.close()
+        self.incoming.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _gone(self) -> RuntimeError:
+        return RuntimeError(f"the structured-output mask worker exited (code {self.process.poll()})")
+
+
+def serve(incoming: Connection, outgoing: Connection) -> None:
+    """The worker's loop: the first message is (the tokenizer tables' file, stop tokens), then MaskWorker's."""
+    info_path, stop_token_ids = incoming.recv()
+    with open(info_path) as file:
+        info_json = file.read()
+    os.unlink(info_path)
+    worker, shared = MaskWorker(info_json, stop_token_ids), None
+    try:
+        while True:
+            try:
+                method, *args = incoming.recv()
+            except EOFError:  # the engine closed its end, or died
+                return
+            if method == "close":
+                return
+            if method == "attach":
+                layout, name, fill_threads = args
+                shared = _attach(name)
+                worker.attach(layout, shared.buf, fill_threads)
+            elif method == "fill":
+                try:
+                    answer = worker.fill(*args)
+                except Exception:  # noqa: BLE001 - the engine raises it where it waits for the mask
+                    answer = RuntimeError("structured-output mask worker: " + traceback.format_exc())
+                outgoing.send(answer)
+            else:
+                getattr(worker, method)(*args)
+    finally:
+        worker.compiler.close()
+        worker.release()
+        if shared is not None:
+            shared.close()
+
+
+def _attach(name: str) -> SharedMemory:
+    """The engine's segment, which the engine unlinks: not tracked here (this process's tracker would unlink it
+    at exit, and warn)."""
+    try:
+        return SharedMemory(name=name, track=False)  # Python 3.13+
+    except TypeError:
+        shared = SharedMemory(name=name)
+        resource_tracker.unregister(shared._name, "shared_memory")  # type: ignore[attr-defined]
+        return shared
+
+
+if __name__ == "__main__":
+    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
