@@ -166,9 +166,9 @@ class MaskWorker:
         return rows, sources, counts, errors
 
     def catch_up(self, constraint: Constraint, length: int) -> None:
-        """A matcher not at its row's `length` tokens: behind (a fill ahead failed: take the rest one by one), or
-        past it (its request ended meanwhile and the engine cut the slots of steps launched after the end: that
-        row's token is dropped, and any mask does)."""
+        """A matcher not at its row's `length` tokens: behind (a fill ahead failed: it takes the tokens it missed
+        one by one). A row shorter than the tokens taken, or longer than the tokens sent here, never comes in a
+        healthy run: that row may only end."""
         if length < constraint.num_accepted or length > len(constraint.tokens):
             constraint.terminated = True
             return
