@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.shared_memory import SharedMemory
 
@@ -18,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.sampling.grammar import JSON_WHITESPACE_LIMIT, GrammarCompiler, GrammarState
 from nanovllm.sampling.grammar_mask import GrammarMasks
-from nanovllm.sampling.mask_worker import MaskProcess, MaskWorker
+from nanovllm.sampling.mask_process import MaskProcess
+from nanovllm.sampling.mask_worker import TOKENS_LANDED, MaskWorker
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 PADDING = 24  # model rows past the tokenizer's last token
@@ -76,7 +78,8 @@ class LocalWorker:
             self.shared = SharedMemory(name=name)
             self.worker.attach(layout, self.shared.buf, threads)
         elif method == "fill":
-            self.answers.append(self.worker.fill(*args))
+            number, *args = args
+            self.answers.append((number, self.worker.fill(*args)))
         else:
             getattr(self.worker, method)(*args)
 
@@ -448,6 +451,65 @@ def test_the_engine_stops_its_mask_worker_and_frees_its_memory_at_exit(padded_mo
     assert process.poll() == 0
     with pytest.raises(FileNotFoundError):
         SharedMemory(name=name)
+
+
+def test_a_step_interrupted_before_its_sampling_leaves_the_next_calls_masks_right(padded_model):
+    """Ctrl-C while a step waits between its mask's start and its sampling (the engine aborts the call): that
+    step's answer from the worker is never read, and the next call's steps must not take it for theirs."""
+    choices = ["yes", "no", "maybe"]
+    with LLM(padded_model, num_kvcache_blocks=48, max_model_len=1024) as llm:
+        complete, calls = llm._complete, [0]
+
+        def interrupted(step):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt
+            return complete(step)
+        llm._complete = interrupted
+        regex = SamplingParams(max_tokens=12, temperature=1.0, structured_outputs=StructuredOutputsParams(
+            regex=REGEX))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a", "b"], regex, use_tqdm=False)
+        llm._complete = complete
+        params = [SamplingParams(max_tokens=12, temperature=1.0, seed=i, structured_outputs=StructuredOutputsParams(
+            choice=choices)) for i in range(6)]
+        outputs = llm.generate(["x", "y", "z", "u", "v", "w"], params, use_tqdm=False)
+        assert [o.outputs[0].text in choices for o in outputs] == [True] * 6, [o.outputs[0].text for o in outputs]
+        assert_no_leaks(llm)
+
+
+def test_the_worker_waits_for_the_device_written_tokens_and_ends_when_its_engine_is_gone(padded_model):
+    """The device path's hand-over, on the host: a fill ahead waits until the tokens and their counter are written
+    (here by a thread, late), takes those tokens, and its masks are xgrammar's own; a worker whose engine is gone
+    stops waiting."""
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, ["regex", "choice"])
+    reference = Reference(compiler, rows, tokenizer.eos_token_id)
+    worker = masks.worker.worker
+    mask = masks.finish(masks.start(rows))
+    logits = torch.zeros(len(rows), masks.vocab_size)
+    mask.apply(logits)
+    tokens = [int(torch.isfinite(row).nonzero()[0]) for row in logits]
+
+    def device() -> None:
+        time.sleep(0.3)
+        worker.tokens[:len(tokens)] = tokens
+        worker.counters[TOKENS_LANDED] = 1
+    writer = threading.Thread(target=device)
+    writer.start()
+    started = time.perf_counter()
+    worker.ahead([0, 1], [row.grammar.slot for row in rows], masks.turn, 1, None, 0)
+    assert time.perf_counter() - started > 0.25, "the fill ahead did not wait for the tokens"
+    writer.join()
+    masks.generation = 1
+    for row, token in zip(rows, tokens):
+        row.token_ids = [token]
+        reference.take(row, token)
+    sample_a_step(masks, rows, reference)  # the masks filled ahead from those tokens are xgrammar's own
+    assert not worker.errors
+    worker.engine_pid = -1  # not this process's parent: its engine is gone
+    with pytest.raises(SystemExit, match="the engine is gone"):
+        worker.wait(TOKENS_LANDED, 99)
+    compiler.close()
 
 
 @pytest.mark.gpu

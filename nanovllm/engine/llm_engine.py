@@ -100,9 +100,9 @@ class LLMEngine:
                 self.model_runner.exit()
             finally:
                 del self.model_runner
-                self.requests.close()  # the structured-output mask worker, if one was started
                 if self.workers is not None:
                     self.workers.close()
+                self.requests.close()  # the structured-output mask worker, if one was started
         if torch.cuda.is_available():
             gc.collect()
             torch.cuda.empty_cache()  # so the next engine in this process sizes its KV cache from real free memory

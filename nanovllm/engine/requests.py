@@ -10,7 +10,7 @@ from nanovllm.engine.prompts import samples_of
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling.bad_words import bad_words_token_ids
 from nanovllm.sampling.grammar import GrammarCompiler, GrammarState
-from nanovllm.sampling.mask_worker import MaskProcess
+from nanovllm.sampling.mask_process import MaskProcess
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -94,7 +94,7 @@ class RequestBuilder:
             eos = self.tokenizer.eos_token_id
             stop = {*self.config.eos_token_ids, *([eos] if isinstance(eos, int) and eos < self.vocab_size else [])}
             self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(stop))
-            self.grammars.start_worker(MaskProcess)  # the matchers' process (sampling/mask_worker.py): seconds to start
+            self.grammars.start_worker(MaskProcess)  # the matchers' process (sampling/mask_process.py): seconds
         return self.grammars
 
     def close(self) -> None:

@@ -66,7 +66,7 @@ class GrammarCompiler:
         self.unsent: list[StructuredOutputsParams] = []  # specs taken while the worker starts
 
     def start_worker(self, launch: Callable[[Any, list[int]], Any]) -> Future:
-        """Start the mask worker (launch(tokenizer info, stop tokens): sampling/mask_worker.py's MaskProcess)
+        """Start the mask worker (launch(tokenizer info, stop tokens): sampling/mask_process.py's MaskProcess)
         beside the engine's thread; the specs compiled here are compiled there too as they come, so each is ready
         there when its request first runs."""
         if self.worker is None:

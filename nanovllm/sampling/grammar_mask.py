@@ -18,7 +18,8 @@ import torch
 from nanovllm.sampling.grammar import GrammarState
 from nanovllm.sampling.grammar_fill import FILL_THREADS
 from nanovllm.sampling.mask_kernel import StepMask
-from nanovllm.sampling.mask_worker import COPY_DONE, TOKENS_LANDED, MaskProcess, SharedLayout
+from nanovllm.sampling.mask_process import MaskProcess
+from nanovllm.sampling.mask_worker import COPY_DONE, TOKENS_LANDED, SharedLayout
 from nanovllm.sampling.rows import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -34,28 +35,37 @@ class GrammarMasks:
         self.worker, self.vocab_size, self.max_rows, self.device = worker, vocab_size, max_rows, device
         self.layout = layout = SharedLayout(max_rows, -(-vocab_size // 32))
         self.shared = SharedMemory(create=True, size=layout.nbytes)
-        rows, tokens, counters = layout.views(self.shared.buf)
-        self.host = [torch.from_numpy(rows[:layout.span]), torch.from_numpy(rows[layout.span:])]
-        self.tokens, self.counters = torch.from_numpy(tokens), torch.from_numpy(counters)
-        self.all_rows = torch.from_numpy(rows)  # both buffers, for sources (which index both)
-        self.registered = device.type == "cuda"
-        self.device_rows = self.marks = None
-        if self.registered:  # pinned in place, so the copies to and from the device run beside the host
-            status = torch.cuda.cudart().cudaHostRegister(self.host[0].data_ptr(), layout.nbytes, 0)
-            if int(status) != 0:
-                raise RuntimeError(f"could not pin the structured-output mask memory ({layout.nbytes} bytes): "
-                                   f"cudaHostRegister returned {status}")
-            self.device_rows = torch.zeros(2 * layout.span, layout.width, dtype=torch.int32, device=device)
-            self.marks = torch.zeros(2, dtype=torch.int64, device=device)  # the counters' values, device side
+        self.registered = False
+        try:
+            self._set_up(layout, device)
+        except BaseException:
+            _release(self.shared, self.registered, self.host[0].data_ptr() if self.registered else 0)
+            raise
         worker.send("attach", layout, self.shared.name, FILL_THREADS)
         self.turn = 0  # the buffer the next step's start fills
         self.generation = 0  # steps whose tokens were sent
         self.copies = 0  # copies to the device queued
         self.last_copy = [0, 0]  # per buffer: the last copy that read it
+        self.fills = 0  # fills asked for: each answer names its own, so one a step never read is passed over
         self.next_slot = 1
         self.dropped: deque[int] = deque()  # slots of GrammarStates gone (appended by their finalizers)
         self.batch = 0
         self._finalizer = weakref.finalize(self, _release, self.shared, self.registered, self.host[0].data_ptr())
+
+    def _set_up(self, layout: SharedLayout, device: torch.device) -> None:
+        rows, tokens, counters = layout.views(self.shared.buf)
+        self.host = [torch.from_numpy(rows[:layout.span]), torch.from_numpy(rows[layout.span:])]
+        self.tokens, self.counters = torch.from_numpy(tokens), torch.from_numpy(counters)
+        self.all_rows = torch.from_numpy(rows)  # both buffers, for sources (which index both)
+        self.device_rows = self.marks = None
+        if device.type == "cuda":  # pinned in place, so the copies to and from the device run beside the host
+            status = torch.cuda.cudart().cudaHostRegister(self.host[0].data_ptr(), layout.nbytes, 0)
+            if int(status) != 0:
+                raise RuntimeError(f"could not pin the structured-output mask memory ({layout.nbytes} bytes): "
+                                   f"cudaHostRegister returned {status}")
+            self.registered = True
+            self.device_rows = torch.zeros(2 * layout.span, layout.width, dtype=torch.int32, device=device)
+            self.marks = torch.zeros(2, dtype=torch.int64, device=device)  # the counters' values, device side
 
     def start(self, seqs: list[SamplingRow]) -> int | None:
         """Ask the worker for a step's mask, for the constrained rows among `seqs` (None when there are none), while
@@ -77,12 +87,15 @@ class GrammarMasks:
             self.worker.send("add", new)
         turn, self.turn = self.turn, self.turn ^ 1
         self.batch = len(seqs)
-        self.worker.send("fill", work, len(seqs), turn, self.last_copy[turn])
+        self.fills += 1
+        self.worker.send("fill", self.fills, work, len(seqs), turn, self.last_copy[turn])
         return turn
 
     def finish(self, turn: int) -> StepMask:
         """The mask `start` asked for, queued for the device (on the caller's stream)."""
-        answer = self.worker.receive()
+        number, answer = self.worker.receive()
+        while number < self.fills:  # the answer to a step that never sampled (an exception or Ctrl-C before it)
+            number, answer = self.worker.receive()
         if isinstance(answer, BaseException):
             raise answer
         rows, sources, used, errors = answer

@@ -13,18 +13,10 @@ next step fills the other), a step's sampled tokens (written by the device) and 
 after them: the last step whose tokens have landed, and the last copy of the buffers to the device that is done.
 """
 import os
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
-from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
-from typing import Any
 
 import numpy as np
 
@@ -33,6 +25,7 @@ from nanovllm.sampling.grammar_fill import FILL_THREADS, Constraint, MaskFiller
 from nanovllm.sampling_params import StructuredOutputsParams
 
 TOKENS_LANDED, COPY_DONE = 0, 1  # the counters
+WAIT_LIMIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,9 @@ class MaskWorker:
     """The matchers and the fills, in the worker process (`serve`; tests drive one in their own). Its compiler
     builds what the engine's compiled (xgrammar's compiled grammars do not cross processes cheaply)."""
 
-    def __init__(self, tokenizer_info_json: str, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_info_json: str, stop_token_ids: list[int], engine_pid: int | None = None) -> None:
+        """engine_pid: the engine's process (its death ends a wait for the device); None: this one."""
+        self.engine_pid = os.getppid() if engine_pid is None else engine_pid
         self.xgr = import_xgrammar()
         info = self.xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
         self.compiler = GrammarCompiler(None, info.vocab_size, stop_token_ids, tokenizer_info=info)
@@ -179,116 +174,16 @@ class MaskWorker:
         constraint.num_accepted = length
 
     def wait(self, counter: int, value: int) -> None:
-        """Until the device has written `value` (or more) to a counter: a spin, then short sleeps."""
+        """Until the device has written `value` (or more) to a counter: a spin, then short sleeps. Every value
+        waited for is already queued on the device, so a long wait means a device that stopped (an error, after
+        WAIT_LIMIT_S) or an engine that died (the worker ends)."""
         start = time.perf_counter()
-        parent = os.getppid()
         while self.counters[counter] < value:
             waited = time.perf_counter() - start
             if waited > 0.002:
                 time.sleep(0.0001)
-                if waited > 1.0 and os.getppid() != parent:
+                if waited > 1.0 and os.getppid() != self.engine_pid:
                     raise SystemExit("nanovllm mask worker: the engine is gone")
-
-
-class MaskProcess:
-    """The engine's end of its mask worker: a `python -m nanovllm.sampling.mask_worker` process (not a
-    multiprocessing child: a user's script without a main guard must not run again in it) and a pipe each way."""
-
-    def __init__(self, tokenizer_info: Any, stop_token_ids: list[int]) -> None:
-        # the tokenizer's tables (megabytes) go through a file: through the pipe they would hold the engine's
-        # thread until the worker has started and read them
-        with tempfile.NamedTemporaryFile("w", prefix="nanovllm-tokenizer-", suffix=".json", delete=False) as file:
-            file.write(tokenizer_info.serialize_json())
-        worker_reads, engine_writes = os.pipe()
-        engine_reads, worker_writes = os.pipe()
-        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])}
-        # a session of its own: a Ctrl-C is the engine's to handle, and the worker ends when the engine closes
-        # its end of the pipe (or dies)
-        self.process = subprocess.Popen([sys.executable, "-m", "nanovllm.sampling.mask_worker", str(worker_reads),
-                                         str(worker_writes)], pass_fds=(worker_reads, worker_writes), env=env,
-                                        start_new_session=True)
-        os.close(worker_reads)
-        os.close(worker_writes)
-        self.outgoing = Connection(engine_writes, readable=False)
-        self.incoming = Connection(engine_reads, writable=False)
-        self.lock = threading.Lock()  # the compiler's hints come from the caller's thread
-        self.send(file.name, stop_token_ids)
-
-    def send(self, method: str, *args: Any) -> None:
-        with self.lock:
-            try:
-                self.outgoing.send([method, *args])
-            except OSError as error:
-                raise self._gone() from error
-
-    def receive(self) -> Any:
-        try:
-            return self.incoming.recv()
-        except (EOFError, OSError) as error:
-            raise self._gone() from error
-
-    def close(self) -> None:
-        try:
-            self.send("close")
-        except RuntimeError:
-            pass
-        self.outgoing.close()
-        self.incoming.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def _gone(self) -> RuntimeError:
-        return RuntimeError(f"the structured-output mask worker exited (code {self.process.poll()})")
-
-
-def serve(incoming: Connection, outgoing: Connection) -> None:
-    """The worker's loop: the first message is (the tokenizer tables' file, stop tokens), then MaskWorker's."""
-    info_path, stop_token_ids = incoming.recv()
-    with open(info_path) as file:
-        info_json = file.read()
-    os.unlink(info_path)
-    worker, shared = MaskWorker(info_json, stop_token_ids), None
-    try:
-        while True:
-            try:
-                method, *args = incoming.recv()
-            except EOFError:  # the engine closed its end, or died
-                return
-            if method == "close":
-                return
-            if method == "attach":
-                layout, name, fill_threads = args
-                shared = _attach(name)
-                worker.attach(layout, shared.buf, fill_threads)
-            elif method == "fill":
-                try:
-                    answer = worker.fill(*args)
-                except Exception:  # noqa: BLE001 - the engine raises it where it waits for the mask
-                    answer = RuntimeError("structured-output mask worker: " + traceback.format_exc())
-                outgoing.send(answer)
-            else:
-                getattr(worker, method)(*args)
-    finally:
-        worker.compiler.close()
-        worker.release()
-        if shared is not None:
-            shared.close()
-
-
-def _attach(name: str) -> SharedMemory:
-    """The engine's segment, which the engine unlinks: not tracked here (this process's tracker would unlink it
-    at exit, and warn)."""
-    try:
-        return SharedMemory(name=name, track=False)  # Python 3.13+
-    except TypeError:
-        shared = SharedMemory(name=name)
-        resource_tracker.unregister(shared._name, "shared_memory")  # type: ignore[attr-defined]
-        return shared
-
-
-if __name__ == "__main__":
-    serve(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+                if waited > WAIT_LIMIT_S:
+                    raise RuntimeError(f"the device did not write the structured-output mask's counter {counter} "
+                                       f"(waiting for {value}, at {self.counters[counter]}) within {WAIT_LIMIT_S} s")
