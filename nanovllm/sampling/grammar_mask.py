@@ -41,6 +41,8 @@ class GrammarMasks:
         except BaseException:
             _release(self.shared, self.registered, self.host[0].data_ptr() if self.registered else 0)
             raise
+        self._finalizer = weakref.finalize(self, _release, self.shared, self.registered,
+                                           self.host[0].data_ptr() if self.registered else 0)
         worker.send("attach", layout, self.shared.name, FILL_THREADS)
         self.turn = 0  # the buffer the next step's start fills
         self.generation = 0  # steps whose tokens were sent
@@ -50,7 +52,6 @@ class GrammarMasks:
         self.next_slot = 1
         self.dropped: deque[int] = deque()  # slots of GrammarStates gone (appended by their finalizers)
         self.batch = 0
-        self._finalizer = weakref.finalize(self, _release, self.shared, self.registered, self.host[0].data_ptr())
 
     def _set_up(self, layout: SharedLayout, device: torch.device) -> None:
         rows, tokens, counters = layout.views(self.shared.buf)
