@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from nanovllm.sampling.grammar import import_xgrammar
 from nanovllm.sampling.mask_worker import MaskWorker
 
 
@@ -22,11 +23,6 @@ class MaskProcess:
     script without a main guard must not run again in it) and a pipe each way."""
 
     def __init__(self, tokenizer_info: Any, stop_token_ids: list[int]) -> None:
-        # the tokenizer's tables (megabytes) go through a file: through the pipe they would hold the engine's
-        # thread until the worker has started and read them
-        with tempfile.NamedTemporaryFile("w", prefix="nanovllm-tokenizer-", suffix=".json", delete=False) as file:
-            file.write(tokenizer_info.serialize_json())
-        self.info_path = file.name
         worker_reads, engine_writes = os.pipe()
         engine_reads, worker_writes = os.pipe()
         # this engine's nanovllm, whatever the worker's working directory holds: its folder is on the path only
@@ -40,16 +36,22 @@ class MaskProcess:
             self.process = subprocess.Popen([sys.executable, "-c", bootstrap, str(worker_reads), str(worker_writes),
                                              str(os.getpid())], pass_fds=(worker_reads, worker_writes),
                                             start_new_session=True)
-        except BaseException:
-            os.unlink(self.info_path)
-            raise
         finally:
             os.close(worker_reads)
             os.close(worker_writes)
         self.outgoing = Connection(engine_writes, readable=False)
         self.incoming = Connection(engine_reads, writable=False)
         self.lock = threading.Lock()  # the compiler's hints come from the caller's thread
-        self.send(self.info_path, stop_token_ids)
+        self.info_path: str | None = None
+        try:  # while the worker imports xgrammar: the tokenizer's tables (megabytes) go through a file, since
+            # through the pipe they would hold the engine's thread until the worker has read them
+            with tempfile.NamedTemporaryFile("w", prefix="nanovllm-tokenizer-", suffix=".json", delete=False) as file:
+                self.info_path = file.name
+                file.write(tokenizer_info.serialize_json())
+            self.send(self.info_path, stop_token_ids)
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, method: str, *args: Any) -> None:
         with self.lock, _signals_held():  # a message cut in half would leave the pipe out of step for good
@@ -81,7 +83,8 @@ class MaskProcess:
             self.process.kill()
             self.process.wait()
         try:  # the worker removes it once read; not if it died first
-            os.unlink(self.info_path)
+            if self.info_path is not None:
+                os.unlink(self.info_path)
         except FileNotFoundError:
             pass
 
@@ -106,7 +109,11 @@ def _signals_held() -> Iterator[None]:
 def serve(incoming: Connection, outgoing: Connection, engine_pid: int) -> None:
     """The worker's loop: the first message is (the tokenizer tables' file, stop tokens), then MaskWorker's; each
     `fill` is answered with its number and MaskWorker's answer (or the error it raised)."""
-    info_path, stop_token_ids = incoming.recv()
+    import_xgrammar()  # the slowest part of the start (it imports torch), while the engine writes the tables
+    first = incoming.recv()
+    if first == ["close"]:  # the engine could not write them
+        return
+    info_path, stop_token_ids = first
     with open(info_path) as file:
         info_json = file.read()
     os.unlink(info_path)
