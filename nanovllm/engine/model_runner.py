@@ -261,8 +261,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states)
             if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
-            # structured outputs: the mask is filled in a thread while the device runs the forward and the engine
-            # completes the step before; sampling waits for it in finish()
+            # structured outputs: the mask is filled by the mask worker's process while the device runs the
+            # forward and the engine completes the step before; sampling waits for it in finish()
             mask = self.sampler.grammar_mask(seqs, logits) if self.rank == 0 else None
         finally:
             reset_context()

@@ -83,10 +83,10 @@ class GrammarCompiler:
                 self.compiled.popitem(last=False)
             if self.worker is not None:
                 with self.worker_lock:
-                    if self.worker.done() and self.worker.exception() is None:
-                        self.worker.result().send("compile", spec)
-                    else:
+                    if not self.worker.done():
                         self.unsent.append(spec)
+                    elif self.worker.exception() is None:  # a worker that failed to start gets no hints
+                        self.worker.result().send("compile", spec)
         else:
             self.compiled.move_to_end(key)
         return future
