@@ -4,6 +4,7 @@ before any work, padded vocabularies, whitespace bounds, one compile per distinc
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -78,12 +79,13 @@ class LocalWorker:
             self.shared = SharedMemory(name=name)
             self.worker.attach(layout, self.shared.buf, threads)
         elif method == "fill":
-            number, *args = args
-            self.answers.append((number, self.worker.fill(*args)))
+            self.answers.append((args[0], self.worker.fill(*args)))
         else:
             getattr(self.worker, method)(*args)
 
     def receive(self):
+        while not self.answers:  # a test's late fill (in a thread) is answered just after its counter is written
+            time.sleep(0.001)
         return self.answers.pop(0)
 
 
@@ -365,7 +367,7 @@ def test_a_row_that_sat_out_a_step_keeps_the_mask_filled_ahead_for_it(padded_mod
     reference = Reference(compiler, [a, b, c], tokenizer.eos_token_id)
     filler = masks.worker.worker.filler
     filled, fill = [], filler.fill  # per fill of rows: how many
-    filler.fill = lambda turn, constraints, first: (filled.append(len(constraints)), fill(turn, constraints, first))
+    filler.fill = lambda constraints, at: (filled.append(len(constraints)), fill(constraints, at))
 
     def step(batch: list[Row]) -> None:
         filled.clear()
@@ -391,11 +393,11 @@ def test_a_fill_ahead_that_fails_midway_leaves_no_row_reading_its_half_written_b
     filler = masks.worker.worker.filler
     fill, failing = filler.fill, [False]
 
-    def half_written(turn, constraints, first):
-        if failing[0] and first == 0:  # a fill ahead: its rows are written over, then xgrammar fails
-            filler.rows[turn * filler.span:turn * filler.span + len(constraints)] = 0
+    def half_written(constraints, at):
+        if failing[0]:  # the step's fill ahead: its rows are written over, then xgrammar fails
+            filler.rows[list(at)] = 0
             raise RuntimeError("fill failed")
-        fill(turn, constraints, first)
+        fill(constraints, at)
     filler.fill = half_written
 
     step = lambda batch: sample_a_step(masks, batch, reference)  # noqa: E731
@@ -497,10 +499,12 @@ def test_the_worker_waits_for_the_device_written_tokens_and_ends_when_its_engine
     writer = threading.Thread(target=device)
     writer.start()
     started = time.perf_counter()
-    worker.ahead([0, 1], [row.grammar.slot for row in rows], masks.turn, 1, None, 0)
+    slots = [row.grammar.slot for row in rows]
+    worker.ahead([0, 1], slots, masks.turn, 1, None, 0)
     assert time.perf_counter() - started > 0.25, "the fill ahead did not wait for the tokens"
     writer.join()
     masks.generation = 1
+    masks.note_ahead(masks.turn, slots, 1)
     for row, token in zip(rows, tokens):
         row.token_ids = [token]
         reference.take(row, token)
@@ -538,9 +542,11 @@ def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) ->
         if step % 4 == 3:  # some constrained rows sit out a step (a prefill of other requests)
             batch = [r for r in batch if r.seq_id % 2 == 0]
         logits = torch.randn(len(batch), masks.vocab_size, generator=generator)
-        mask = masks.finish(masks.start(batch))
+        number = masks.start(batch)
+        mask = masks.finish(number)
         on_device = logits.to(device)
         mask.apply(on_device)
+        masks.confirm(number)
         expected = torch.stack([reference.masked(row, logits[i]) for i, row in enumerate(batch)])
         assert torch.equal(on_device.cpu(), expected), f"step {step}"
         kept = step % 3 != 2  # every third step's tokens are dropped (a prefill chunk short of its prompt's end)
@@ -554,6 +560,67 @@ def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) ->
                 reference.take(row, sampled[-1])
         masks.after_sample(batch, [kept] * len(batch), torch.tensor(sampled, device=device))
     assert any(m.is_terminated() for m in reference.matchers.values()), "no row reached its grammar's end"
+    masks.close()
+    compiler.close()
+
+
+@pytest.mark.gpu
+def test_gpu_the_device_waits_for_a_mask_the_worker_writes_late(padded_model):
+    """`finish` returns before the worker has filled the step's masks (here 0.3 s late, from a thread): the device
+    waits for the worker's counter before it copies them, so the logits it masks are still xgrammar's own."""
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, ["regex", "choice", "json"],
+                                                      device=torch.device("cuda"))
+    assert masks.wait is not None, "no stream wait on this driver: the engine's thread would wait for each mask"
+    send = masks.worker.send
+
+    def late(method, *args):
+        if method == "fill":
+            threading.Timer(0.3, send, (method, *args)).start()
+        else:
+            send(method, *args)
+    masks.worker.send = late
+    reference = Reference(compiler, rows, tokenizer.eos_token_id)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        logits = torch.randn(len(rows), masks.vocab_size, generator=generator)
+        started = time.perf_counter()
+        number = masks.start(rows)
+        on_device = logits.cuda()
+        masks.finish(number).apply(on_device)
+        assert time.perf_counter() - started < 0.2, "finish waited for the worker's fill"
+        expected = torch.stack([reference.masked(row, logits[i]) for i, row in enumerate(rows)])
+        assert torch.equal(on_device.cpu(), expected)
+        masks.confirm(number)
+        tokens = [int(torch.isfinite(row).nonzero()[-1]) for row in expected]
+        for row, token in zip(rows, tokens):
+            row.token_ids = row.token_ids + [token]
+            reference.take(row, token)
+        masks.after_sample(rows, [True] * len(rows), torch.tensor(tokens, device="cuda"))
+    masks.close()
+    compiler.close()
+
+
+@pytest.mark.gpu
+def test_gpu_a_worker_gone_while_the_device_waits_is_an_error_not_a_hang(padded_model):
+    """The worker dies after a step's fill is asked for and its wait queued: reading its answer raises, and the
+    device's wait is released (the device synchronizes)."""
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, ["regex"], local=False,
+                                                      device=torch.device("cuda"))
+    number = masks.start(rows)
+    masks.finish(number)
+    masks.confirm(number)
+    process = compiler.worker.result().process
+    os.kill(process.pid, signal.SIGSTOP)  # it cannot answer the next fill
+    number = masks.start(rows)
+    masks.finish(number).apply(torch.zeros(1, masks.vocab_size, device="cuda"))
+    process.kill()
+    process.wait()
+    with pytest.raises(RuntimeError, match=r"the structured-output mask worker exited \(code -9\)"):
+        masks.confirm(number)
+    synchronized = threading.Thread(target=torch.cuda.synchronize, daemon=True)
+    synchronized.start()
+    synchronized.join(timeout=30)
+    assert not synchronized.is_alive(), "the device still waits for the dead worker's mask"
     masks.close()
     compiler.close()
 

@@ -262,7 +262,7 @@ class ModelRunner:
             if step.prompt_rows:  # requests that asked for prompt_logprobs: their prompt rows are scored too
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
             # structured outputs: the mask is filled by the mask worker's process while the device runs the
-            # forward and the engine completes the step before; sampling waits for it in finish()
+            # forward and the engine completes the step before; the device waits for it before sampling
             mask = self.sampler.grammar_mask(seqs, logits) if self.rank == 0 else None
         finally:
             reset_context()
@@ -294,5 +294,6 @@ class ModelRunner:
             step.copy_to_host(token_ids, logprobs)
             if mask is not None:
                 self.sampler.grammar_after_sample(step.seqs, kept, token_ids)
+                step.confirm = lambda: self.sampler.grammar_confirm(mask)
         else:
             step.token_ids = token_ids

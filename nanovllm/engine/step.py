@@ -33,6 +33,8 @@ class Step:
     prompt_logprobs: PromptScores | None = None
     # launched but not sampled yet: the sampler waits for a structured-output mask (ModelRunner.finish runs it)
     sample: Callable[[], None] | None = None
+    # structured outputs: reads the mask worker's answer for this step before its tokens are taken
+    confirm: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, seqs: list[Sequence], is_prefill: bool, block_copies: list[tuple[int, int]] | None = None,
@@ -57,6 +59,9 @@ class Step:
 
     def result(self) -> list[int]:
         """The sampled token ids, waiting for the device if they are not back yet."""
+        if self.confirm is not None:
+            confirm, self.confirm = self.confirm, None
+            confirm()
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_token_ids.tolist()

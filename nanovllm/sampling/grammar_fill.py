@@ -5,6 +5,7 @@ At 512 rows the Python around these calls costs as much as xgrammar's own work: 
 xgrammar's bindings are called with cached handles (its public wrappers build a list of handles first, and its
 public batch accept reads each answer back)."""
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,32 +36,30 @@ class Constraint:
 
 
 class MaskFiller:
-    """`rows`: both buffers' bitmask rows, [2 * span, width] int32 (buffer b's row j is row b * span + j)."""
+    """`rows`: both buffers' bitmask rows, [2 * span, width] int32, all filled through one view."""
 
-    def __init__(self, xgr: Any, rows: np.ndarray, span: int, stop_token_ids: list[int],
-                 fill_threads: int = FILL_THREADS) -> None:
-        self.xgr, self.rows, self.span = xgr, rows, span
-        self.buffers = [torch.from_numpy(rows[:span]), torch.from_numpy(rows[span:])]  # what xgrammar fills
+    def __init__(self, xgr: Any, rows: np.ndarray, stop_token_ids: list[int], fill_threads: int = FILL_THREADS) -> None:
+        self.xgr, self.rows = xgr, rows
+        self.bitmask = torch.from_numpy(rows)  # what xgrammar fills
         self.filler = xgr.BatchGrammarMatcher(max_threads=fill_threads)
         self.core = accept_binding(xgr)
-        self.fill_binding = fill_binding(self.filler, self.buffers[0])
+        self.fill_binding = fill_binding(self.filler, self.bitmask)
         self.stop_only = np.zeros(rows.shape[1], dtype=np.int32)
         for token in stop_token_ids:
             self.stop_only[token // 32] |= _bit(token % 32)
 
-    def fill(self, turn: int, constraints: list[Constraint], first: int) -> None:
-        """Rows first, first + 1, ... of buffer `turn`: each matcher's next mask (stop-only for one that ended:
-        its row is still in the step launched before the engine knew, and its token will be dropped)."""
+    def fill(self, constraints: list[Constraint], at: Sequence[int]) -> None:
+        """Each matcher's next mask into its row of `at` (stop-only for one that ended: its row is still in the
+        step launched before the engine knew, and its token will be dropped)."""
         handles, indices, stop_rows = [], [], []
-        for j, constraint in enumerate(constraints, first):
+        for constraint, row in zip(constraints, at):
             if constraint.rejected or constraint.terminated:
-                stop_rows.append(turn * self.span + j)
+                stop_rows.append(row)
             else:
                 handles.append(constraint.handle if self.fill_binding else constraint.matcher)
-                indices.append(j)
+                indices.append(row)
         if handles:
-            (self.fill_binding or self.filler.batch_fill_next_token_bitmask)(handles, self.buffers[turn], indices,
-                                                                              False)
+            (self.fill_binding or self.filler.batch_fill_next_token_bitmask)(handles, self.bitmask, indices, False)
         if stop_rows:
             self.rows[stop_rows] = self.stop_only
 

@@ -3,10 +3,12 @@ worker (sampling/mask_worker.py, a process that keeps the matchers and fills the
 
 As soon as a step's sampler is queued (`after_sample`) the worker is told which rows to take tokens for, and the
 device writes the tokens into the shared memory behind the sampler: the worker takes them into the matchers and
-fills the rows' next masks while the engine completes the step before and schedules and launches the next. That
-step's `start`, after its forward is launched, asks where each constrained row's mask is (filling rows not
-filled ahead: new requests), `finish` waits for the answer and queues the copy to the device, and the sampler
-applies the mask to the logits before anything else (`StepMask.apply`, sampling/mask_kernel.py). A step without
+fills the rows' next masks ahead, into rows the engine knows (row j of a buffer: the j-th row sent). The next
+step's `start`, after its forward is launched, places each constrained row's mask (where it was filled ahead, or
+a new row to fill) and asks the worker to fill what is missing. `finish` queues, on the device, a wait for the
+worker's counter (sampling/host_wait.py), the copy of those rows and the sampler's apply (StepMask,
+sampling/mask_kernel.py): the engine goes on at once, and reads the worker's answer (`confirm`) only when that
+step's tokens are read back. Without a stream wait (the CPU) `finish` reads the answer itself. A step without
 constrained rows never comes here."""
 import logging
 import weakref
@@ -17,9 +19,10 @@ import torch
 
 from nanovllm.sampling.grammar import GrammarState
 from nanovllm.sampling.grammar_fill import FILL_THREADS
+from nanovllm.sampling.host_wait import HostCounterWait
 from nanovllm.sampling.mask_kernel import StepMask
 from nanovllm.sampling.mask_process import MaskProcess
-from nanovllm.sampling.mask_worker import COPY_DONE, TOKENS_LANDED, SharedLayout
+from nanovllm.sampling.mask_worker import COPY_DONE, MASK_READY, TOKENS_LANDED, SharedLayout
 from nanovllm.sampling.rows import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -44,11 +47,17 @@ class GrammarMasks:
         self._finalizer = weakref.finalize(self, _release, self.shared, self.registered,
                                            self.host[0].data_ptr() if self.registered else 0)
         worker.send("attach", layout, self.shared.name, FILL_THREADS)
+        self.wait = HostCounterWait.load(self.host[0].data_ptr() + layout.counters_at + 8 * MASK_READY) \
+            if self.registered else None
         self.turn = 0  # the buffer the next step's start fills
         self.generation = 0  # steps whose tokens were sent
+        self.ahead: list[dict[int, int]] = [{}, {}]  # per buffer: slot -> row, of the last fill ahead into it
+        self.ahead_generation = [0, 0]
         self.copies = 0  # copies to the device queued
         self.last_copy = [0, 0]  # per buffer: the last copy that read it
-        self.fills = 0  # fills asked for: each answer names its own, so one a step never read is passed over
+        self.fills = 0  # fills asked for
+        self.answered = 0  # fills whose answer was read: each answer names its fill, so one never read is passed
+        self.started: tuple[int, list[int], list[int], list[int]] | None = None  # (turn, rows, sources, counts)
         self.next_slot = 1
         self.dropped: deque[int] = deque()  # slots of GrammarStates gone (appended by their finalizers)
         self.batch = 0
@@ -60,7 +69,8 @@ class GrammarMasks:
         self.all_rows = torch.from_numpy(rows)  # both buffers, for sources (which index both)
         self.device_rows = self.marks = None
         if device.type == "cuda":  # pinned in place, so the copies to and from the device run beside the host
-            status = torch.cuda.cudart().cudaHostRegister(self.host[0].data_ptr(), layout.nbytes, 0)
+            mapped = 2  # cudaHostRegisterMapped: the device's stream waits read the counter in place
+            status = torch.cuda.cudart().cudaHostRegister(self.host[0].data_ptr(), layout.nbytes, mapped)
             if int(status) != 0:
                 raise RuntimeError(f"could not pin the structured-output mask memory ({layout.nbytes} bytes): "
                                    f"cudaHostRegister returned {status}")
@@ -70,14 +80,25 @@ class GrammarMasks:
 
     def start(self, seqs: list[SamplingRow]) -> int | None:
         """Ask the worker for a step's mask, for the constrained rows among `seqs` (None when there are none), while
-        the caller goes on; `finish` the answer."""
-        work, new = [], []
+        the caller goes on; `finish` the fill number it returns."""
+        span, turn = self.layout.span, self.turn
+        work, new, refill = [], [], len(self.ahead[turn])
+        counts = [0, 0]  # per buffer: its rows [0, count) hold this step's masks
         for row, seq in enumerate(seqs):
             state = seq.grammar
-            if state is not None:
-                if state.slot is None:
-                    new.append(self._register(state))
-                work.append((row, state.slot, seq.num_completion_tokens))
+            if state is None:
+                continue
+            if state.slot is None:
+                new.append(self._register(state))
+            # the newer of the two fills ahead first: a row sampled in the last step has it in `turn`
+            found = [(self.ahead_generation[b], b) for b in (turn, turn ^ 1) if state.slot in self.ahead[b]]
+            if found:
+                generation, buffer = max(found)
+                source = buffer * span + self.ahead[buffer][state.slot]
+            else:
+                generation, source, refill = -1, turn * span + refill, refill + 1
+            counts[source // span] = max(counts[source // span], source % span + 1)
+            work.append((row, state.slot, seq.num_completion_tokens, source, generation))
         if not work:
             return None
         if len(seqs) > self.max_rows:
@@ -86,22 +107,20 @@ class GrammarMasks:
             self.worker.send("drop", [self.dropped.popleft() for _ in range(len(self.dropped))])
         if new:
             self.worker.send("add", new)
-        turn, self.turn = self.turn, self.turn ^ 1
-        self.batch = len(seqs)
+        self.turn, self.batch = turn ^ 1, len(seqs)
         self.fills += 1
-        self.worker.send("fill", self.fills, work, len(seqs), turn, self.last_copy[turn])
-        return turn
+        self.worker.send("fill", self.fills, work, len(seqs), self.last_copy)
+        self.started = (turn, [w[0] for w in work], [w[3] for w in work], counts)
+        return self.fills
 
-    def finish(self, turn: int) -> StepMask:
-        """The mask `start` asked for, queued for the device (on the caller's stream)."""
-        number, answer = self.worker.receive()
-        while number < self.fills:  # the answer to a step that never sampled (an exception or Ctrl-C before it)
-            number, answer = self.worker.receive()
-        if isinstance(answer, BaseException):
-            raise answer
-        rows, sources, used, errors = answer
-        for error in errors:
-            logger.error("filling structured-output masks ahead failed (the next step filled them):\n%s", error)
+    def finish(self, number: int) -> StepMask:
+        """The mask `start` asked for (fill `number`), queued for the device (on the caller's stream) behind a
+        wait for the worker to have written it; on the host, once the worker has."""
+        turn, rows, sources, counts = self.started
+        if self.wait is None:
+            self.confirm(number)
+        else:
+            self.wait.until(number)
         batch, span = self.batch, self.layout.span
         in_place = rows == list(range(batch)) and sources == list(range(turn * span, turn * span + batch))
         if self.device_rows is None:  # CPU: the logits are on the host too
@@ -111,7 +130,7 @@ class GrammarMasks:
             full[rows] = self.all_rows[sources]
             return StepMask(full, rows, self.vocab_size)
         self.copies += 1
-        for buffer, count in enumerate(used):
+        for buffer, count in enumerate(counts):
             if count:
                 first = buffer * span
                 self.device_rows[first:first + count].copy_(self.host[buffer][:count], non_blocking=True)
@@ -121,6 +140,22 @@ class GrammarMasks:
             return StepMask(self.device_rows[turn * span:turn * span + batch], None, self.vocab_size)
         index = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
         return StepMask(self.device_rows, index[0], self.vocab_size, index[1])
+
+    def confirm(self, number: int) -> None:
+        """Read the worker's answers up to fill `number`'s (before a token sampled under that mask is taken):
+        the error it raised, if any, is raised here. A worker gone releases the device's waits first."""
+        while self.answered < number:
+            try:
+                self.answered, answer = self.worker.receive()
+            except BaseException:
+                self._release_waits()
+                raise
+            if isinstance(answer, BaseException):
+                if self.answered == number:
+                    raise answer
+                continue  # the answer to a step that never sampled (an exception or Ctrl-C before it)
+            for error in answer:
+                logger.error("filling structured-output masks ahead failed (the next step filled them):\n%s", error)
 
     def after_sample(self, seqs: list[SamplingRow], sampled: list[bool], token_ids: torch.Tensor) -> None:
         """A step's sampler is queued: its constrained rows whose token is kept (sampled: not a prefill chunk short
@@ -138,13 +173,25 @@ class GrammarMasks:
         else:
             tokens = token_ids.tolist()
         slots = [seqs[row].grammar.slot for row in rows]
+        self.note_ahead(self.turn, slots, self.generation)
         self.worker.send("ahead", rows, slots, self.turn, self.generation, tokens, self.last_copy[self.turn])
+
+    def note_ahead(self, buffer: int, slots: list[int], generation: int) -> None:
+        """The fill ahead of `generation` puts slot slots[j]'s mask at row j of `buffer`."""
+        self.ahead[buffer] = {slot: j for j, slot in enumerate(slots)}
+        self.ahead_generation[buffer] = generation
 
     def close(self) -> None:
         """Free the shared memory (the worker is the compiler's to stop)."""
         if self.registered:
+            self._release_waits()
             torch.cuda.synchronize()  # no copy may still read or write it
         self._finalizer()
+
+    def _release_waits(self) -> None:
+        """Let every device wait queued so far go on (the worker may be gone; the tokens then sampled are not
+        taken: the engine raises first)."""
+        self.counters[MASK_READY] = self.fills
 
     def _register(self, state: GrammarState) -> tuple:
         state.slot, self.next_slot = self.next_slot, self.next_slot + 1

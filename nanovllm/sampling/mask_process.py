@@ -131,12 +131,11 @@ def serve(incoming: Connection, outgoing: Connection, engine_pid: int) -> None:
                 shared = _attach(name)
                 worker.attach(layout, shared.buf, fill_threads)
             elif method == "fill":
-                number, *args = args
                 try:
-                    answer = worker.fill(*args)
-                except Exception:  # noqa: BLE001 - the engine raises it where it waits for the mask
+                    answer = worker.fill(*args)  # its counter is written, whatever happens
+                except Exception:  # noqa: BLE001 - the engine raises it where it reads the answer
                     answer = RuntimeError("structured-output mask worker: " + traceback.format_exc())
-                outgoing.send((number, answer))
+                outgoing.send((args[0], answer))
             else:
                 getattr(worker, method)(*args)
     finally:

@@ -9,8 +9,10 @@ through a pipe, in order, each `[method, *args]` of MaskWorker; only `fill` is a
 `ahead`s before it, which nothing waits for).
 
 Shared memory: two bitmask buffers of 2 x max_rows rows each (one may still be copying to the device while the
-next step fills the other), a step's sampled tokens (written by the device) and two counters the device writes
-after them: the last step whose tokens have landed, and the last copy of the buffers to the device that is done.
+next step fills the other), a step's sampled tokens (written by the device) and three counters: two the device
+writes behind its work (the last step whose tokens have landed, the last copy of the buffers to the device that is
+done) and one this worker writes (the last fill whose rows are all written, which the device waits for before it
+copies them).
 """
 import os
 import time
@@ -24,7 +26,7 @@ from nanovllm.sampling.grammar import GrammarCompiler, import_xgrammar
 from nanovllm.sampling.grammar_fill import FILL_THREADS, Constraint, MaskFiller
 from nanovllm.sampling_params import StructuredOutputsParams
 
-TOKENS_LANDED, COPY_DONE = 0, 1  # the counters
+TOKENS_LANDED, COPY_DONE, MASK_READY = 0, 1, 2  # the counters
 WAIT_LIMIT_S = 120.0
 
 
@@ -41,14 +43,19 @@ class SharedLayout:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.span * self.width * 4 + self.max_rows * 8 + 2 * 8
+        return 2 * self.span * self.width * 4 + self.max_rows * 8 + 3 * 8
+
+    @property
+    def counters_at(self) -> int:
+        """Byte offset of the counters."""
+        return 2 * self.span * self.width * 4 + self.max_rows * 8
 
     def views(self, buffer: memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(bitmask rows of both buffers, [2 * span, width] int32; tokens, int64; counters, int64)."""
         rows = np.ndarray((2 * self.span, self.width), np.int32, buffer)
         offset = rows.nbytes
         tokens = np.ndarray((self.max_rows,), np.int64, buffer, offset)
-        counters = np.ndarray((2,), np.int64, buffer, offset + tokens.nbytes)
+        counters = np.ndarray((3,), np.int64, buffer, offset + tokens.nbytes)
         return rows, tokens, counters
 
 
@@ -65,7 +72,6 @@ class MaskWorker:
         self.stop_token_ids = stop_token_ids
         self.grammars: dict[int, Future] = {}  # by slot: its compiled grammar
         self.constraints: dict[int, Constraint] = {}
-        self.filled_ahead = [(0, 0), (0, 0)]  # per buffer: (generation, rows) of the last fill ahead into it
         self.sampled_under = np.full(0, -1)  # by row of the last filled step: the mask row it is sampled under
         self.errors: list[str] = []  # of fills ahead, sent with the next fill's answer
 
@@ -73,7 +79,7 @@ class MaskWorker:
         """The engine's shared memory (its first constrained step makes it)."""
         self.layout = layout
         self.rows, self.tokens, self.counters = layout.views(shared)
-        self.filler = MaskFiller(self.xgr, self.rows, layout.span, self.stop_token_ids, fill_threads)
+        self.filler = MaskFiller(self.xgr, self.rows, self.stop_token_ids, fill_threads)
 
     def release(self) -> None:
         """Let go of the shared memory's views (it cannot be closed while numpy arrays point into it)."""
@@ -108,8 +114,8 @@ class MaskWorker:
     def ahead(self, rows: list[int], slots: list[int], turn: int, generation: int, tokens: list[int] | None,
               copy_done: int) -> None:
         """A step's sampled rows (rows: their places in the step; slots: their requests): take their tokens (None:
-        once the device has written them here) into the matchers and fill their next masks into buffer `turn`, for
-        the next step. copy_done: the last copy to the device that read that buffer."""
+        once the device has written them here) into the matchers and fill their next masks into rows 0, 1, ... of
+        buffer `turn`, for the next step. copy_done: the last copy to the device that read that buffer."""
         try:
             self.wait(TOKENS_LANDED, generation if tokens is None else 0)
             self.wait(COPY_DONE, copy_done)
@@ -119,46 +125,45 @@ class MaskWorker:
                 constraint.tokens.append(token)
             under = self.sampled_under[rows] if len(self.sampled_under) > rows[-1] else None
             allowed = self.filler.allowed(new, under)  # read before this fill overwrites any of those rows
-            self.filled_ahead[turn] = (-1, 0)  # no mark counts until this names it (a fill that fails wrote some rows)
             self.filler.take(constraints, new, allowed, (turn, generation))
-            self.filler.fill(turn, constraints, 0)
-            self.filled_ahead[turn] = (generation, len(constraints))
+            try:
+                self.filler.fill(constraints, range(turn * self.layout.span, turn * self.layout.span + len(slots)))
+            except BaseException:  # rows half written: no mark may name them
+                for constraint in constraints:
+                    constraint.filled = None
+                raise
         except Exception:  # noqa: BLE001 - nothing waits for a fill ahead: the next fill says what failed
             self.errors.append(traceback.format_exc())
 
-    def fill(self, work: list[tuple[int, int, int]], batch: int, turn: int,
-             copy_done: int) -> tuple[list[int], list[int], list[int], list[str]]:
-        """A step's constrained rows, (row, slot, tokens sampled so far) each: where each one's mask is (a row of
-        either buffer: one that sat out the last step has it in the buffer before), filling those not filled ahead
-        into buffer `turn`. Returns (rows, source rows, rows used per buffer, errors of the fills ahead)."""
-        span, other = self.layout.span, turn ^ 1
-        (generation, used), (other_generation, other_used) = self.filled_ahead[turn], self.filled_ahead[other]
-        if used + len(work) > span:  # cannot happen with batches of max_rows; stay correct
-            generation, used = -1, 0
-            self.filled_ahead[turn] = (0, 0)
-        here, there = (turn, generation), (other, other_generation)
-        sources, refill, from_other = [], [], False
-        for _, slot, length in work:
-            constraint = self.constraint(slot)
-            done = constraint.filled
-            if length != constraint.num_accepted:
-                self.catch_up(constraint, length)
-            elif done is not None and done[3] == length and done[:2] in (here, there):
-                sources.append(done[0] * span + done[2])
-                from_other = from_other or done[0] == other
-                continue
-            sources.append(turn * span + used + len(refill))
-            refill.append(constraint)
-        if refill:
-            self.wait(COPY_DONE, copy_done)  # the rows past those filled ahead may still be copying
-            self.filler.fill(turn, refill, used)
-        counts = [0, 0]
-        counts[turn], counts[other] = used + len(refill), other_used if from_other else 0
-        rows = [row for row, _, _ in work]
-        self.sampled_under = np.full(batch, -1)
-        self.sampled_under[rows] = sources
-        errors, self.errors = self.errors, []
-        return rows, sources, counts, errors
+    def fill(self, number: int, work: list[tuple[int, int, int, int, int]], batch: int,
+             copy_done: list[int]) -> list[str]:
+        """A step's constrained rows, (row, slot, tokens sampled so far, source row, generation) each: the engine
+        has placed each row's mask at its source row (of either buffer), where a fill ahead of that generation put
+        it (generation -1: a row to fill there now). Rows whose mask is not there as expected (new, behind, or a
+        fill ahead failed) are filled there now; then the counter the device waits on says fill `number` is done,
+        whatever happened. copy_done: per buffer, the last copy to the device that read it. Returns the errors of
+        the fills ahead before it."""
+        try:
+            span = self.layout.span
+            refill, at = [], []
+            for _, slot, length, source, generation in work:
+                constraint = self.constraint(slot)
+                if length != constraint.num_accepted:
+                    self.catch_up(constraint, length)
+                elif constraint.filled == (source // span, generation, source % span, length):
+                    continue
+                refill.append(constraint)
+                at.append(source)
+            for buffer in {source // span for source in at}:  # those rows may still be copying to the device
+                self.wait(COPY_DONE, copy_done[buffer])
+            if refill:
+                self.filler.fill(refill, at)
+            self.sampled_under = np.full(batch, -1)
+            self.sampled_under[[row for row, *_ in work]] = [source for _, _, _, source, _ in work]
+            errors, self.errors = self.errors, []
+            return errors
+        finally:
+            self.counters[MASK_READY] = number
 
     def catch_up(self, constraint: Constraint, length: int) -> None:
         """A matcher not at its row's `length` tokens: behind (a fill ahead failed: it takes the tokens it missed

@@ -183,6 +183,10 @@ class Sampler(nn.Module):
         ahead, while the engine prepares the next step (sampling/grammar_mask.py)."""
         self.grammar_masks.after_sample(seqs, sampled, token_ids)
 
+    def grammar_confirm(self, started: int) -> None:
+        """Before a constrained step's tokens are taken: the mask worker's answer for it (an error it hit is raised)."""
+        self.grammar_masks.confirm(started)
+
     def close(self) -> None:
         if self.grammar_masks is not None:
             self.grammar_masks.close()
