@@ -585,9 +585,10 @@ def test_gpu_the_device_waits_for_a_mask_the_worker_writes_late(padded_model):
         logits = torch.randn(len(rows), masks.vocab_size, generator=generator)
         started = time.perf_counter()
         number = masks.start(rows)
-        on_device = logits.cuda()
-        masks.finish(number).apply(on_device)
+        mask = masks.finish(number)
         assert time.perf_counter() - started < 0.2, "finish waited for the worker's fill"
+        on_device = logits.cuda()
+        mask.apply(on_device)
         expected = torch.stack([reference.masked(row, logits[i]) for i, row in enumerate(rows)])
         assert torch.equal(on_device.cpu(), expected)
         masks.confirm(number)

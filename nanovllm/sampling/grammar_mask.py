@@ -66,6 +66,8 @@ class GrammarMasks:
         rows, tokens, counters = layout.views(self.shared.buf)
         self.host = [torch.from_numpy(rows[:layout.span]), torch.from_numpy(rows[layout.span:])]
         self.tokens, self.counters = torch.from_numpy(tokens), torch.from_numpy(counters)
+        self.counter_values = counters  # the host's own writes (numpy: torch refuses in-place writes to a tensor
+        # made in inference mode, outside it)
         self.all_rows = torch.from_numpy(rows)  # both buffers, for sources (which index both)
         self.device_rows = self.marks = None
         if device.type == "cuda":  # pinned in place, so the copies to and from the device run beside the host
@@ -147,7 +149,7 @@ class GrammarMasks:
         while self.answered < number:
             try:
                 self.answered, answer = self.worker.receive()
-            except BaseException:
+            except RuntimeError:  # the worker is gone (a Ctrl-C here leaves the waits to a worker that is not)
                 self._release_waits()
                 raise
             if isinstance(answer, BaseException):
@@ -183,15 +185,15 @@ class GrammarMasks:
 
     def close(self) -> None:
         """Free the shared memory (the worker is the compiler's to stop)."""
+        self._release_waits()
         if self.registered:
-            self._release_waits()
             torch.cuda.synchronize()  # no copy may still read or write it
         self._finalizer()
 
     def _release_waits(self) -> None:
         """Let every device wait queued so far go on (the worker may be gone; the tokens then sampled are not
         taken: the engine raises first)."""
-        self.counters[MASK_READY] = self.fills
+        self.counter_values[MASK_READY] = self.fills
 
     def _register(self, state: GrammarState) -> tuple:
         state.slot, self.next_slot = self.next_slot, self.next_slot + 1
