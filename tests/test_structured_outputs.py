@@ -18,6 +18,7 @@ from hf_reference import assert_no_leaks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
+from nanovllm.sampling import mask_worker
 from nanovllm.sampling.grammar import JSON_WHITESPACE_LIMIT, GrammarCompiler, GrammarState
 from nanovllm.sampling.grammar_mask import GrammarMasks
 from nanovllm.sampling.mask_process import MaskProcess
@@ -351,11 +352,14 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     assert compiler.worker.result().process.poll() == 0, "the worker did not stop when its compiler closed"
 
 
-@pytest.mark.parametrize("worker", ["process", "local", "local, xgrammar's public calls"])
-def test_masks_step_by_step_equal_xgrammar_own(padded_model, worker):
+@pytest.mark.parametrize("worker", ["process", "local", "local, xgrammar's public calls", "local, halves"])
+def test_masks_step_by_step_equal_xgrammar_own(padded_model, worker, monkeypatch):
     """The host path, step after step: every step's mask equals xgrammar's own matcher's, fed the same tokens,
     and a row whose matcher took the end gets only the end; in the worker's process, and in this one with
-    xgrammar's public calls (what an xgrammar whose bindings differ gets)."""
+    xgrammar's public calls (what an xgrammar whose bindings differ gets), and with every fill ahead split in
+    halves (as one of many rows is)."""
+    if "halves" in worker:
+        monkeypatch.setattr(mask_worker, "SHARD_ROWS", 2)
     _masks_step_by_step(padded_model, torch.device("cpu"), worker)
 
 
@@ -559,6 +563,11 @@ def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) ->
                 row.token_ids = row.token_ids + [sampled[-1]]
                 reference.take(row, sampled[-1])
         masks.after_sample(batch, [kept] * len(batch), torch.tensor(sampled, device=device))
+        if worker.startswith("local") and kept:  # each mask filled ahead lies where the engine will look for it
+            for row in batch:
+                if row.grammar is not None:
+                    buffer, _, at, _ = masks.worker.worker.constraints[row.grammar.slot].filled
+                    assert at == masks.ahead[buffer][row.grammar.slot], f"row {row.seq_id}: filled at {at}"
     assert any(m.is_terminated() for m in reference.matchers.values()), "no row reached its grammar's end"
     masks.close()
     compiler.close()

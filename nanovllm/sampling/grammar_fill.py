@@ -64,10 +64,11 @@ class MaskFiller:
             self.rows[stop_rows] = self.stop_only
 
     def take(self, constraints: list[Constraint], tokens: list[int], allowed: list[bool] | None,
-             mark: tuple[int, int]) -> None:
+             mark: tuple[int, int], first: int = 0) -> None:
         """Each matcher takes its one new token. allowed: whether the mask each token was sampled under allowed it,
         when known: xgrammar's verdict too (a mask is the set of tokens its matcher accepts), so it is not read
-        back. mark: (buffer, generation) of the fill ahead that follows, noted on each with its row."""
+        back. mark: (buffer, generation) of the fill ahead that follows, noted on each with its row (first, first +
+        1, ...)."""
         if allowed is None or self.core is None:
             allowed, handles = self._accept_public(constraints, tokens), None
         else:
@@ -87,7 +88,7 @@ class MaskFiller:
                         stops.append(constraint)
                 constraint.num_accepted += 1
                 counted = j + 1
-                constraint.filled = (*mark, j, constraint.num_accepted)
+                constraint.filled = (*mark, first + j, constraint.num_accepted)
             if handles:
                 self.core.BatchGrammarMatcher.batch_accept_token(handles, taken, False)
         except BaseException:  # the next fill takes the tokens again
