@@ -111,7 +111,8 @@ class GrammarMasks:
             self.worker.send("add", new)
         self.turn, self.batch = turn ^ 1, len(seqs)
         self.fills += 1
-        self.worker.send("fill", self.fills, work, len(seqs), self.last_copy)
+        # the copies queued so far, as they are now (finish counts this step's own in)
+        self.worker.send("fill", self.fills, work, len(seqs), tuple(self.last_copy))
         self.started = (turn, [w[0] for w in work], [w[3] for w in work], counts)
         return self.fills
 

@@ -162,7 +162,7 @@ class MaskWorker:
         filler.fill(constraints[first:end], range(first_row + first, first_row + end))
 
     def fill(self, number: int, work: list[tuple[int, int, int, int, int]], batch: int,
-             copy_done: list[int]) -> list[str]:
+             copy_done: tuple[int, int]) -> list[str]:
         """A step's constrained rows, (row, slot, tokens sampled so far, source row, generation) each: the engine
         has placed each row's mask at its source row (of either buffer), where a fill ahead of that generation put
         it (generation -1: a row to fill there now). Rows whose mask is not there as expected (new, behind, or a
