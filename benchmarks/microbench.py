@@ -240,8 +240,12 @@ time and effective bandwidth of the bytes read, and (--sweep) every chunk size /
     python benchmarks/microbench.py fp8-decode --batch 256 --min-context 100 --max-context 2048   # bench.py's
     python benchmarks/microbench.py fp8-decode --sweep               # the table paged_decode.TUNED comes from
                                                                       # (and other slice counts at that setting)
+    python benchmarks/microbench.py fp8-decode --flashinfer          # and FlashInfer's decode over the same FP8
+                                                                      # cache, query in bf16 (needs nvcc: JIT)
 
-Also prints the FP8 output's largest difference from the bf16 one.
+Also prints each output's largest difference from the bf16 one: a kernel that rounds the query or the
+probabilities to e4m3 shows it there. FlashInfer's wrapper cannot be captured in a graph here, so its rows and a
+row of ours are timed as calls back to back, launches included.
 """
 
 
@@ -254,6 +258,8 @@ def fp8_decode(argv: list[str]) -> None:
     parser.add_argument("--min-context", type=int, default=6000)
     parser.add_argument("--max-context", type=int, default=14800)
     parser.add_argument("--sweep", action="store_true", help="time every (BLOCK_N, warps, stages) per cache dtype")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="also FlashInfer's paged decode (tensor cores and CUDA cores) over the FP8 cache")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     page, head_dim = 256, 128
@@ -285,6 +291,16 @@ def fp8_decode(argv: list[str]) -> None:
         base = base or us
         print(f"| {name} | {us:.1f} | {nbytes / 1e6:.0f} | {nbytes / us / 1e3:.0f} | {base / us:.2f}x | "
               f"{(out - reference).abs().max().item():.2e} |")
+    if args.flashinfer:
+        ours = functools.partial(paged_decode_attention, q, k8, v8, block_tables, context_lens, scale, counters,
+                                 k_scale=k_scale, v_scale=v_scale)
+        nbytes = cases[1][4]
+        for name, call in [("fp8, ours, calls back to back", ours)] + flashinfer_fp8_decode_calls(
+                q, k8, v8, block_tables, context_lens, page, scale, k_scale, v_scale):
+            out = call().float()
+            us = loop_time_us(call, iters=50)
+            print(f"| {name} | {us:.1f} | {nbytes / 1e6:.0f} | {nbytes / us / 1e3:.0f} | {base / us:.2f}x | "
+                  f"{(out - reference).abs().max().item():.2e} |")
     if not args.sweep:
         return
     print("\n| KV cache | BLOCK_N | warps | stages | us | GB/s |")
@@ -307,6 +323,28 @@ def fp8_decode(argv: list[str]) -> None:
                                      block_n=tuned[0], num_warps=tuned[1], num_stages=tuned[2], max_splits=splits,
                                      **scales)
             print(f"| {name} (TUNED, max_splits {splits}) | | | | {graph_time_us([call], repeat=10):.1f} | |")
+
+
+def flashinfer_fp8_decode_calls(q, k8, v8, block_tables, context_lens, page: int, scale: float, k_scale: float,
+                                v_scale: float) -> list[tuple[str, Callable[[], torch.Tensor]]]:
+    """FlashInfer's batched paged decode over our FP8 cache (its NHD layout is ours), query in bf16: with tensor
+    cores and with CUDA cores, each planned once for these sequences."""
+    import flashinfer
+    pages = (context_lens + page - 1) // page
+    indptr = torch.zeros(len(pages) + 1, dtype=torch.int32, device=q.device)
+    indptr[1:] = torch.cumsum(pages, 0)
+    indices = torch.cat([row[:count] for row, count in zip(block_tables, pages.tolist())]).int()
+    last_page_len = (context_lens - (pages - 1) * page).int()
+    calls = []
+    for tensor_cores in (True, False):
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+        wrapper.plan(indptr, indices, last_page_len, q.size(1), k8.size(2), q.size(2), page,
+                     q_data_type=torch.bfloat16, kv_data_type=k8.dtype, sm_scale=scale)
+        label = f"fp8, FlashInfer {getattr(wrapper, 'resolved_backend', '?')}, " + (
+            "tensor cores" if tensor_cores else "CUDA cores")
+        calls.append((label, functools.partial(wrapper.run, q, (k8, v8), k_scale=k_scale, v_scale=v_scale)))
+    return calls
 
 
 # --- gemm ----------------------------------------------------------------------------------------------------------
