@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from multiprocessing.shared_memory import SharedMemory
 
 import pytest
@@ -18,11 +19,11 @@ from hf_reference import assert_no_leaks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
-from nanovllm.sampling import mask_worker
+from nanovllm.sampling import grammar_mask, mask_worker
 from nanovllm.sampling.grammar import JSON_WHITESPACE_LIMIT, GrammarCompiler, GrammarState
 from nanovllm.sampling.grammar_mask import GrammarMasks
 from nanovllm.sampling.mask_process import MaskProcess
-from nanovllm.sampling.mask_worker import TOKENS_LANDED, MaskWorker
+from nanovllm.sampling.mask_worker import MASK_READY, TOKENS_LANDED, MaskWorker
 from nanovllm.utils.random_checkpoint import write_random_checkpoint
 
 PADDING = 24  # model rows past the tokenizer's last token
@@ -85,7 +86,9 @@ class LocalWorker:
             getattr(self.worker, method)(*args)
 
     def receive(self):
+        waited = time.perf_counter()
         while not self.answers:  # a test's late fill (in a thread) is answered just after its counter is written
+            assert time.perf_counter() - waited < 30, "no answer from the local worker"
             time.sleep(0.001)
         return self.answers.pop(0)
 
@@ -445,8 +448,34 @@ def test_a_worker_that_died_is_an_error_not_a_hang(padded_model):
     process.wait()
     with pytest.raises(RuntimeError, match=r"the structured-output mask worker exited \(code -9\)"):
         masks.finish(masks.start(rows))
+    assert masks.counter_values[MASK_READY] > masks.fills, "a device wait on the dead worker's counter would hang"
     masks.close()
     compiler.close()
+
+
+def test_the_watch_on_the_worker_releases_the_device_waits_when_it_exits():
+    """The thread that watches the worker's process lets the device's waits go on once it has exited (a blocked
+    engine would never reach a call that notices), and does nothing for masks already closed."""
+    released = []
+
+    class Masks:
+        closed = False
+
+        def _release_waits(self):
+            released.append(True)
+    for closed in (False, True):
+        process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        masks = Masks()
+        masks.closed = closed
+        watch = threading.Thread(target=grammar_mask._release_when_gone, args=(process.pid, weakref.ref(masks)))
+        watch.start()
+        time.sleep(0.2)
+        assert not released, "released while the worker lives"
+        process.kill()
+        process.wait()
+        watch.join(timeout=10)
+        assert not watch.is_alive() and released == ([] if closed else [True])
+        released.clear()
 
 
 def test_the_engine_stops_its_mask_worker_and_frees_its_memory_at_exit(padded_model):

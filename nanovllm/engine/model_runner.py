@@ -142,9 +142,9 @@ class ModelRunner:
 
     def exit(self) -> None:
         self.graphs = None
+        self.sampler.close()  # first: it lets the device go past any wait for a structured-output mask
         if self.use_cuda:
             torch.cuda.synchronize()
-        self.sampler.close()
         self.tp.close()
         # the cache and the model go with the engine even while something still holds this runner or the model (a
         # caller's variable, a traceback): the next engine in the process sizes its cache from what is free
@@ -263,13 +263,13 @@ class ModelRunner:
                 step.prompt_logprobs = score_prompts(self.model, hidden_states, seqs, step.prompt_rows, self.rank)
             # structured outputs: the mask is filled by the mask worker's process while the device runs the
             # forward and the engine completes the step before; the device waits for it before sampling
-            mask = self.sampler.grammar_mask(seqs, logits) if self.rank == 0 else None
+            fill = self.sampler.grammar_mask(seqs, logits) if self.rank == 0 else None
         finally:
             reset_context()
         # which rows' tokens are kept (a prefill chunk short of its prompt's end samples a token that is dropped)
-        kept = [end == len(seq) for seq, (_, end) in zip(seqs, step.spans)] if mask is not None else None
-        step.sample = lambda: self._sample(step, logits, sampling, mask, kept)
-        if mask is None:
+        kept = [end == len(seq) for seq, (_, end) in zip(seqs, step.spans)] if fill is not None else None
+        step.sample = lambda: self._sample(step, logits, sampling, fill, kept)
+        if fill is None:
             self.finish(step)
         return step
 
@@ -280,11 +280,11 @@ class ModelRunner:
             sample, step.sample = step.sample, None
             sample()
 
-    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, mask: int | None,
+    def _sample(self, step: Step, logits: torch.Tensor, sampling: SamplingTensors | None, fill: int | None,
                 kept: list[bool] | None) -> None:
         if self.rank == 0:
-            if mask is not None:
-                sampling.grammar = self.sampler.finish_grammar_mask(mask)
+            if fill is not None:
+                sampling.grammar = self.sampler.finish_grammar_mask(fill)
             output = self.sampler(logits, sampling)
             token_ids, logprobs = output.token_ids, output.logprobs
         else:
@@ -292,8 +292,8 @@ class ModelRunner:
         self.tp.broadcast_from_first(token_ids)
         if self.rank == 0:
             step.copy_to_host(token_ids, logprobs)
-            if mask is not None:
+            if fill is not None:
                 self.sampler.grammar_after_sample(step.seqs, kept, token_ids)
-                step.confirm = lambda: self.sampler.grammar_confirm(mask)
+                step.confirm = lambda: self.sampler.grammar_confirm(fill)
         else:
             step.token_ids = token_ids

@@ -31,7 +31,8 @@ class Step:
     # scores (rank 0)
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: PromptScores | None = None
-    # launched but not sampled yet: the sampler waits for a structured-output mask (ModelRunner.finish runs it)
+    # launched but not sampled yet: a structured-output step's sampler is queued after the step before completes
+    # (ModelRunner.finish runs it; where the engine's thread waits for the mask, that wait overlaps the completion)
     sample: Callable[[], None] | None = None
     # structured outputs: reads the mask worker's answer for this step before its tokens are taken
     confirm: Callable[[], None] | None = None

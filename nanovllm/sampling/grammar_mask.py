@@ -11,6 +11,9 @@ sampling/mask_kernel.py): the engine goes on at once, and reads the worker's ans
 step's tokens are read back. Without a stream wait (the CPU) `finish` reads the answer itself. A step without
 constrained rows never comes here."""
 import logging
+import os
+import select
+import threading
 import weakref
 from collections import deque
 from multiprocessing.shared_memory import SharedMemory
@@ -26,10 +29,13 @@ from nanovllm.sampling.mask_worker import COPY_DONE, MASK_READY, TOKENS_LANDED, 
 from nanovllm.sampling.rows import SamplingRow
 
 logger = logging.getLogger(__name__)
+# how far past the last fill asked for a released counter reads (the device compares it cyclically over 32 bits):
+# waits queued while the engine had not yet noticed the worker was gone go on too
+RELEASE_MARGIN = 1 << 30
 
 
 class GrammarMasks:
-    """The shared memory of `worker` (SharedLayout: two bitmask buffers used in turn, a step's tokens, two
+    """The shared memory of `worker` (SharedLayout: two bitmask buffers used in turn, a step's tokens, three
     counters) for batches of up to `max_rows` rows over a vocabulary of `vocab_size` (the logits' width), and its
     copy on the device. Each constrained request is a `slot` in the worker from its first step on, dropped with its
     GrammarState."""
@@ -61,6 +67,10 @@ class GrammarMasks:
         self.next_slot = 1
         self.dropped: deque[int] = deque()  # slots of GrammarStates gone (appended by their finalizers)
         self.batch = 0
+        self.closed = False
+        if self.wait is not None and hasattr(worker, "process"):  # a worker that dies must not leave a wait
+            threading.Thread(target=_release_when_gone, args=(worker.process.pid, weakref.ref(self)), daemon=True,
+                             name="nanovllm-mask-watch").start()
 
     def _set_up(self, layout: SharedLayout, device: torch.device) -> None:
         rows, tokens, counters = layout.views(self.shared.buf)
@@ -106,13 +116,13 @@ class GrammarMasks:
         if len(seqs) > self.max_rows:
             raise RuntimeError(f"a step of {len(seqs)} rows exceeds the structured-output mask's {self.max_rows}")
         if self.dropped:
-            self.worker.send("drop", [self.dropped.popleft() for _ in range(len(self.dropped))])
+            self._send("drop", [self.dropped.popleft() for _ in range(len(self.dropped))])
         if new:
-            self.worker.send("add", new)
+            self._send("add", new)
         self.turn, self.batch = turn ^ 1, len(seqs)
         self.fills += 1
         # the copies queued so far, as they are now (finish counts this step's own in)
-        self.worker.send("fill", self.fills, work, len(seqs), tuple(self.last_copy))
+        self._send("fill", self.fills, work, len(seqs), tuple(self.last_copy))
         self.started = (turn, [w[0] for w in work], [w[3] for w in work], counts)
         return self.fills
 
@@ -137,8 +147,10 @@ class GrammarMasks:
             if count:
                 first = buffer * span
                 self.device_rows[first:first + count].copy_(self.host[buffer][:count], non_blocking=True)
-                self.last_copy[buffer] = self.copies
         self._mark(COPY_DONE, self.copies)  # the worker may write those rows again once the device has read them
+        for buffer, count in enumerate(counts):  # after the mark: no fill may wait for a copy never marked
+            if count:
+                self.last_copy[buffer] = self.copies
         if in_place:
             return StepMask(self.device_rows[turn * span:turn * span + batch], None, self.vocab_size)
         index = torch.tensor([rows, sources], dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
@@ -177,7 +189,7 @@ class GrammarMasks:
             tokens = token_ids.tolist()
         slots = [seqs[row].grammar.slot for row in rows]
         self.note_ahead(self.turn, slots, self.generation)
-        self.worker.send("ahead", rows, slots, self.turn, self.generation, tokens, self.last_copy[self.turn])
+        self._send("ahead", rows, slots, self.turn, self.generation, tokens, self.last_copy[self.turn])
 
     def note_ahead(self, buffer: int, slots: list[int], generation: int) -> None:
         """The fill ahead of `generation` puts slot slots[j]'s mask at row j of `buffer`."""
@@ -187,14 +199,22 @@ class GrammarMasks:
     def close(self) -> None:
         """Free the shared memory (the worker is the compiler's to stop)."""
         self._release_waits()
+        self.closed = True
         if self.registered:
             torch.cuda.synchronize()  # no copy may still read or write it
         self._finalizer()
 
     def _release_waits(self) -> None:
-        """Let every device wait queued so far go on (the worker may be gone; the tokens then sampled are not
+        """Let every device wait go on (the worker is gone, or the engine closes; the tokens then sampled are not
         taken: the engine raises first)."""
-        self.counter_values[MASK_READY] = self.fills
+        self.counter_values[MASK_READY] = self.fills + RELEASE_MARGIN
+
+    def _send(self, method: str, *args: object) -> None:
+        try:
+            self.worker.send(method, *args)
+        except RuntimeError:  # the worker is gone: the wait of a step already queued must not hang the device
+            self._release_waits()
+            raise
 
     def _register(self, state: GrammarState) -> tuple:
         state.slot, self.next_slot = self.next_slot, self.next_slot + 1
@@ -205,6 +225,22 @@ class GrammarMasks:
         """The device writes `value` to the shared counter once the work queued before it is done."""
         self.marks[counter].fill_(value)
         self.counters[counter:counter + 1].copy_(self.marks[counter:counter + 1], non_blocking=True)
+
+
+def _release_when_gone(pid: int, masks: weakref.ref) -> None:
+    """A thread's: once the worker's process has exited, every device wait goes on (the engine may be blocked on
+    the device, as a step's logprobs are read in its sampling, and would never reach a call that notices)."""
+    try:
+        descriptor = os.pidfd_open(pid)  # Linux 5.3+; elsewhere the engine's next message to the worker releases
+    except (AttributeError, OSError):
+        return
+    try:
+        select.select([descriptor], [], [])
+    finally:
+        os.close(descriptor)
+    owner = masks()
+    if owner is not None and not owner.closed:
+        owner._release_waits()
 
 
 def _release(shared: SharedMemory, registered: bool, pointer: int) -> None:

@@ -165,8 +165,8 @@ class Sampler(nn.Module):
         return tensors
 
     def grammar_mask(self, seqs: list[SamplingRow], logits: torch.Tensor) -> int | None:
-        """Start the structured-output mask of a step whose forward is launched (sampling/grammar_mask.py), or None
-        when no row is constrained; `finish_grammar_mask` it."""
+        """Start the structured-output mask of a step whose forward is launched (sampling/grammar_mask.py): the
+        fill's number, or None when no row is constrained; `finish_grammar_mask` it."""
         constrained = next((seq.grammar for seq in seqs if seq.grammar is not None), None)
         if constrained is None:
             return None
@@ -175,17 +175,18 @@ class Sampler(nn.Module):
                                               logits.device)
         return self.grammar_masks.start(seqs)
 
-    def finish_grammar_mask(self, started: int) -> StepMask:
-        return self.grammar_masks.finish(started)
+    def finish_grammar_mask(self, fill: int) -> StepMask:
+        """The mask of the fill `grammar_mask` started, queued for the sampler (sampling/grammar_mask.py)."""
+        return self.grammar_masks.finish(fill)
 
     def grammar_after_sample(self, seqs: list[SamplingRow], sampled: list[bool], token_ids: torch.Tensor) -> None:
         """A constrained step's sampler is queued: its tokens go to the matchers and their next masks are filled
         ahead, while the engine prepares the next step (sampling/grammar_mask.py)."""
         self.grammar_masks.after_sample(seqs, sampled, token_ids)
 
-    def grammar_confirm(self, started: int) -> None:
+    def grammar_confirm(self, fill: int) -> None:
         """Before a constrained step's tokens are taken: the mask worker's answer for it (an error it hit is raised)."""
-        self.grammar_masks.confirm(started)
+        self.grammar_masks.confirm(fill)
 
     def close(self) -> None:
         if self.grammar_masks is not None:
