@@ -355,12 +355,14 @@ def test_the_mask_covers_the_padded_rows_and_leaves_free_rows(padded_model):
     assert compiler.worker.result().process.poll() == 0, "the worker did not stop when its compiler closed"
 
 
-@pytest.mark.parametrize("worker", ["process", "local", "local, xgrammar's public calls", "local, halves"])
+@pytest.mark.parametrize("worker", ["process", "process, counter", "local", "local, xgrammar's public calls",
+                                    "local, halves"])
 def test_masks_step_by_step_equal_xgrammar_own(padded_model, worker, monkeypatch):
     """The host path, step after step: every step's mask equals xgrammar's own matcher's, fed the same tokens,
     and a row whose matcher took the end gets only the end; in the worker's process, and in this one with
     xgrammar's public calls (what an xgrammar whose bindings differ gets), and with every fill ahead split in
-    halves (as one of many rows is)."""
+    halves (as one of many rows is); and in the order of the device path (each mask read once the worker's counter
+    says it is written, each answer read after the next step's start)."""
     if "halves" in worker:
         monkeypatch.setattr(mask_worker, "SHARD_ROWS", 2)
     _masks_step_by_step(padded_model, torch.device("cpu"), worker)
@@ -558,10 +560,27 @@ def test_gpu_mask_through_pinned_buffers_equals_the_host_mask(padded_model):
     _masks_step_by_step(padded_model, torch.device("cuda"), "process")
 
 
+class CounterSpin:
+    """The device's wait for the worker's counter (sampling/host_wait.py), played by the host: `until` returns once
+    the worker has written it, as work queued behind the wait would start."""
+
+    def __init__(self, counters) -> None:
+        self.counters = counters
+
+    def until(self, number: int) -> None:
+        waited = time.perf_counter()
+        while self.counters[MASK_READY] < number:
+            assert time.perf_counter() - waited < 30, f"the worker never wrote fill {number}'s counter"
+
+
 def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) -> None:
     names = [None if i % 3 == 0 else list(SPECS)[i % len(SPECS)] for i in range(9)]
-    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, names, local=worker != "process",
+    tokenizer, compiler, rows, masks = masks_and_rows(padded_model, names, local=not worker.startswith("process"),
                                                       device=device, max_rows=16)
+    answers_late = "counter" in worker  # the device path's order: the mask read once the counter says it is
+    if answers_late:  # written, each step's answer read after the next step's start (when its tokens come back)
+        masks.wait = CounterSpin(masks.counter_values)
+    previous = None
     if worker.startswith("local"):
         filler = masks.worker.worker.filler
         assert filler.core is not None, "this xgrammar changed the binding accept_binding calls: fast accept off"
@@ -576,10 +595,15 @@ def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) ->
             batch = [r for r in batch if r.seq_id % 2 == 0]
         logits = torch.randn(len(batch), masks.vocab_size, generator=generator)
         number = masks.start(batch)
+        if answers_late and previous is not None:
+            masks.confirm(previous)
         mask = masks.finish(number)
         on_device = logits.to(device)
         mask.apply(on_device)
-        masks.confirm(number)
+        if answers_late:
+            previous = number
+        else:
+            masks.confirm(number)
         expected = torch.stack([reference.masked(row, logits[i]) for i, row in enumerate(batch)])
         assert torch.equal(on_device.cpu(), expected), f"step {step}"
         kept = step % 3 != 2  # every third step's tokens are dropped (a prefill chunk short of its prompt's end)
