@@ -619,8 +619,9 @@ def _masks_step_by_step(padded_model: str, device: torch.device, worker: str) ->
         if worker.startswith("local") and kept:  # each mask filled ahead lies where the engine will look for it
             for row in batch:
                 if row.grammar is not None:
-                    buffer, _, at, _ = masks.worker.worker.constraints[row.grammar.slot].filled
-                    assert at == masks.ahead[buffer][row.grammar.slot], f"row {row.seq_id}: filled at {at}"
+                    at, _, _ = masks.worker.worker.constraints[row.grammar.slot].filled
+                    buffer = at // masks.layout.span
+                    assert at % masks.layout.span == masks.ahead[buffer][row.grammar.slot], f"row {row.seq_id}: {at}"
     assert any(m.is_terminated() for m in reference.matchers.values()), "no row reached its grammar's end"
     masks.close()
     compiler.close()

@@ -32,7 +32,7 @@ class Constraint:
     num_accepted: int = 0
     rejected: bool = False  # a token the grammar refused was sampled (every allowed one banned): end the output
     terminated: bool = False  # the matcher took a stop token: the output ends
-    filled: tuple[int, int, int, int] | None = None  # next mask filled ahead: (buffer, generation, row, accepted)
+    filled: tuple[int, int, int] | None = None  # next mask filled ahead: (source row, generation, accepted)
 
 
 class MaskFiller:
@@ -64,16 +64,16 @@ class MaskFiller:
             self.rows[stop_rows] = self.stop_only
 
     def take(self, constraints: list[Constraint], tokens: list[int], allowed: list[bool] | None,
-             mark: tuple[int, int], first: int = 0) -> None:
+             mark: tuple[int, int]) -> None:
         """Each matcher takes its one new token. allowed: whether the mask each token was sampled under allowed it,
         when known: xgrammar's verdict too (a mask is the set of tokens its matcher accepts), so it is not read
-        back. mark: (buffer, generation) of the fill ahead that follows, noted on each with its row (first, first +
-        1, ...)."""
+        back. mark: (first source row, generation) of the fill ahead that follows, noted on each with its row (the
+        first, the next, ...)."""
         if allowed is None or self.core is None:
             allowed, handles = self._accept_public(constraints, tokens), None
         else:
             handles, taken = [], []
-        stops, counted = [], 0
+        stops, counted, (first_row, generation) = [], 0, mark
         try:
             for j, (constraint, token, ok) in enumerate(zip(constraints, tokens, allowed)):
                 if constraint.rejected or constraint.terminated:
@@ -88,7 +88,7 @@ class MaskFiller:
                         stops.append(constraint)
                 constraint.num_accepted += 1
                 counted = j + 1
-                constraint.filled = (*mark, first + j, constraint.num_accepted)
+                constraint.filled = (first_row + j, generation, constraint.num_accepted)
             if handles:
                 self.core.BatchGrammarMatcher.batch_accept_token(handles, taken, False)
         except BaseException:  # the next fill takes the tokens again

@@ -25,7 +25,7 @@ from nanovllm.sampling.grammar_fill import FILL_THREADS
 from nanovllm.sampling.host_wait import HostCounterWait
 from nanovllm.sampling.mask_kernel import StepMask
 from nanovllm.sampling.mask_process import MaskProcess
-from nanovllm.sampling.mask_worker import COPY_DONE, MASK_READY, TOKENS_LANDED, SharedLayout
+from nanovllm.sampling.mask_worker import COPY_DONE, MASK_READY, TOKENS_LANDED, SharedLayout, StepWork
 from nanovllm.sampling.rows import SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -94,24 +94,31 @@ class GrammarMasks:
         """Ask the worker for a step's mask, for the constrained rows among `seqs` (None when there are none), while
         the caller goes on; `finish` the fill number it returns."""
         span, turn = self.layout.span, self.turn
-        work, new, refill = [], [], len(self.ahead[turn])
+        work, new, refill = StepWork(), [], len(self.ahead[turn])
         counts = [0, 0]  # per buffer: its rows [0, count) hold this step's masks
+        # the newer of the two fills ahead first: a row sampled in the last step has it in `turn`
+        newer, older = (turn, turn ^ 1) if self.ahead_generation[turn] >= self.ahead_generation[turn ^ 1] else \
+            (turn ^ 1, turn)
         for row, seq in enumerate(seqs):
             state = seq.grammar
             if state is None:
                 continue
             if state.slot is None:
                 new.append(self._register(state))
-            # the newer of the two fills ahead first: a row sampled in the last step has it in `turn`
-            found = [(self.ahead_generation[b], b) for b in (turn, turn ^ 1) if state.slot in self.ahead[b]]
-            if found:
-                generation, buffer = max(found)
-                source = buffer * span + self.ahead[buffer][state.slot]
+            for buffer in (newer, older):
+                position = self.ahead[buffer].get(state.slot)
+                if position is not None:
+                    generation, source = self.ahead_generation[buffer], buffer * span + position
+                    break
             else:
                 generation, source, refill = -1, turn * span + refill, refill + 1
             counts[source // span] = max(counts[source // span], source % span + 1)
-            work.append((row, state.slot, seq.num_completion_tokens, source, generation))
-        if not work:
+            work.rows.append(row)
+            work.slots.append(state.slot)
+            work.lengths.append(seq.num_completion_tokens)
+            work.sources.append(source)
+            work.generations.append(generation)
+        if not work.rows:
             return None
         if len(seqs) > self.max_rows:
             raise RuntimeError(f"a step of {len(seqs)} rows exceeds the structured-output mask's {self.max_rows}")
@@ -123,7 +130,7 @@ class GrammarMasks:
         self.fills += 1
         # the copies queued so far, as they are now (finish counts this step's own in)
         self._send("fill", self.fills, work, len(seqs), tuple(self.last_copy))
-        self.started = (turn, [w[0] for w in work], [w[3] for w in work], counts)
+        self.started = (turn, work.rows, work.sources, counts)
         return self.fills
 
     def finish(self, number: int) -> StepMask:

@@ -18,7 +18,7 @@ import os
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -61,6 +61,19 @@ class SharedLayout:
         tokens = np.ndarray((self.max_rows,), np.int64, buffer, offset)
         counters = np.ndarray((3,), np.int64, buffer, offset + tokens.nbytes)
         return rows, tokens, counters
+
+
+@dataclass
+class StepWork:
+    """A step's constrained rows, as columns (the engine's `start` makes it): each row's place in the step, its
+    request, its tokens sampled so far, the source row its mask is placed at and the generation of the fill
+    ahead that put it there (-1: none)."""
+
+    rows: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)
 
 
 class MaskWorker:
@@ -129,19 +142,20 @@ class MaskWorker:
         try:
             self.wait(TOKENS_LANDED, generation if tokens is None else 0)
             self.wait(COPY_DONE, copy_done)
-            new = [int(t) for t in self.tokens[rows]] if tokens is None else [tokens[row] for row in rows]
-            constraints = [self.constraint(slot) for slot in slots]
+            new = self.tokens[rows].tolist() if tokens is None else [tokens[row] for row in rows]
+            known = self.constraints.get  # a method call per row costs as much as xgrammar's accept of its token
+            constraints = [known(slot) or self.constraint(slot) for slot in slots]
             for constraint, token in zip(constraints, new):
                 constraint.tokens.append(token)
             under = self.sampled_under[rows] if len(self.sampled_under) > rows[-1] else None
             allowed = self.filler.allowed(new, under)  # read before this fill overwrites any of those rows
-            count, first_row, mark = len(slots), turn * self.layout.span, (turn, generation)
+            count, first_row = len(slots), turn * self.layout.span
             split = count // 2 if count >= SHARD_ROWS else count
-            halves = [self.shards.submit(self._take_and_fill, self.fillers[1], constraints, new, allowed, mark, split,
-                                         count, first_row)] if split < count else []
+            halves = [self.shards.submit(self._take_and_fill, self.fillers[1], constraints, new, allowed, generation,
+                                         split, count, first_row)] if split < count else []
             try:
                 try:
-                    self._take_and_fill(self.filler, constraints, new, allowed, mark, 0, split, first_row)
+                    self._take_and_fill(self.filler, constraints, new, allowed, generation, 0, split, first_row)
                 finally:
                     for half in halves:  # both are done before anything else reads or writes those rows
                         half.result()
@@ -154,38 +168,34 @@ class MaskWorker:
 
     @staticmethod
     def _take_and_fill(filler: MaskFiller, constraints: list[Constraint], tokens: list[int],
-                       allowed: list[bool] | None, mark: tuple[int, int], first: int, end: int,
-                       first_row: int) -> None:
+                       allowed: list[bool] | None, generation: int, first: int, end: int, first_row: int) -> None:
         """Rows [first, end) of a fill ahead: their matchers take their tokens, then their next masks are filled."""
-        filler.take(constraints[first:end], tokens[first:end], None if allowed is None else allowed[first:end], mark,
-                    first)
+        filler.take(constraints[first:end], tokens[first:end], None if allowed is None else allowed[first:end],
+                    (first_row + first, generation))
         filler.fill(constraints[first:end], range(first_row + first, first_row + end))
 
-    def fill(self, number: int, work: list[tuple[int, int, int, int, int]], batch: int,
-             copy_done: tuple[int, int]) -> list[str]:
-        """A step's constrained rows, (row, slot, tokens sampled so far, source row, generation) each: the engine
-        has placed each row's mask at its source row (of either buffer), where a fill ahead of that generation put
-        it (generation -1: a row to fill there now). Rows whose mask is not there as expected (new, behind, or a
-        fill ahead failed) are filled there now; then the counter the device waits on says fill `number` is done,
-        whatever happened. copy_done: per buffer, the last copy to the device that read it. Returns the errors of
-        the fills ahead before it."""
+    def fill(self, number: int, work: StepWork, batch: int, copy_done: tuple[int, int]) -> list[str]:
+        """A step's constrained rows: the engine has placed each row's mask at its source row (of either buffer),
+        where a fill ahead of that generation put it (generation -1: a row to fill there now). Rows whose mask is
+        not there as expected (new, behind, or a fill ahead failed) are filled there now; then the counter the
+        device waits on says fill `number` is done, whatever happened. copy_done: per buffer, the last copy to the
+        device that read it. Returns the errors of the fills ahead before it."""
         try:
-            span = self.layout.span
-            refill, at = [], []
-            for _, slot, length, source, generation in work:
-                constraint = self.constraint(slot)
+            refill, at, known = [], [], self.constraints.get
+            for slot, length, source, generation in zip(work.slots, work.lengths, work.sources, work.generations):
+                constraint = known(slot) or self.constraint(slot)
                 if length != constraint.num_accepted:
                     self.catch_up(constraint, length)
-                elif constraint.filled == (source // span, generation, source % span, length):
+                elif constraint.filled == (source, generation, length):
                     continue
                 refill.append(constraint)
                 at.append(source)
-            for buffer in {source // span for source in at}:  # those rows may still be copying to the device
+            for buffer in {source // self.layout.span for source in at}:  # those rows may still be copying
                 self.wait(COPY_DONE, copy_done[buffer])
             if refill:
                 self.filler.fill(refill, at)
             self.sampled_under = np.full(batch, -1)
-            self.sampled_under[[row for row, *_ in work]] = [source for _, _, _, source, _ in work]
+            self.sampled_under[work.rows] = work.sources
             errors, self.errors = self.errors, []
             return errors
         finally:
