@@ -63,10 +63,10 @@ class GrammarMasks:
         self.last_copy = [0, 0]  # per buffer: the last copy that read it
         self.fills = 0  # fills asked for
         self.answered = 0  # fills whose answer was read: each answer names its fill, so one never read is passed
-        self.started: tuple[int, list[int], list[int], list[int]] | None = None  # (turn, rows, sources, counts)
+        # the step started: (turn, rows in the step, constrained rows, their source rows, rows copied per buffer)
+        self.started: tuple[int, int, list[int], list[int], list[int]] | None = None
         self.next_slot = 1
         self.dropped: deque[int] = deque()  # slots of GrammarStates gone (appended by their finalizers)
-        self.batch = 0
         self.closed = False
         if self.wait is not None and hasattr(worker, "process"):  # a worker that dies must not leave a wait
             threading.Thread(target=_release_when_gone, args=(worker.process.pid, weakref.ref(self)), daemon=True,
@@ -126,22 +126,22 @@ class GrammarMasks:
             self._send("drop", [self.dropped.popleft() for _ in range(len(self.dropped))])
         if new:
             self._send("add", new)
-        self.turn, self.batch = turn ^ 1, len(seqs)
+        self.turn = turn ^ 1
         self.fills += 1
         # the copies queued so far, as they are now (finish counts this step's own in)
         self._send("fill", self.fills, work, len(seqs), tuple(self.last_copy))
-        self.started = (turn, work.rows, work.sources, counts)
+        self.started = (turn, len(seqs), work.rows, work.sources, counts)
         return self.fills
 
     def finish(self, number: int) -> StepMask:
         """The mask `start` asked for (fill `number`), queued for the device (on the caller's stream) behind a
         wait for the worker to have written it; on the host, once the worker has."""
-        turn, rows, sources, counts = self.started
+        turn, batch, rows, sources, counts = self.started
         if self.wait is None:
             self.confirm(number)
         else:
             self.wait.until(number)
-        batch, span = self.batch, self.layout.span
+        span = self.layout.span
         in_place = rows == list(range(batch)) and sources == list(range(turn * span, turn * span + batch))
         if self.device_rows is None:  # CPU: the logits are on the host too
             if in_place:
