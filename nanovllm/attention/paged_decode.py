@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.attention.paged_decode_cuda import decode_kernel
 from nanovllm.quantization.kv_quant import FP8
 
 # the most slices default_max_splits gives a sequence; the merge reads this many log-sum-exps at once (masked past a
@@ -128,9 +129,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            counters: torch.Tensor | None = None, block_n: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None, max_splits: int | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0, fp8_kernel: str = "cuda") -> torch.Tensor:
     """q [batch, heads, head_dim]; caches [blocks, page, kv_heads, head_dim]; block_tables [batch, width] int32.
-    An FP8 cache holds K / k_scale and V / v_scale (one number each for the layer).
+    An FP8 cache holds K / k_scale and V / v_scale (one number each for the layer), and is read by the CUDA
+    kernel (paged_decode_fp8.cu) where it runs, else (or with fp8_kernel="triton") by this file's.
 
     Returns [batch, heads, head_dim]: sequence i attends to its first context_lens[i] cached tokens (a row
     with context 0, as CUDA-graph padding has, gets zeros). `counters` is int32 scratch of at least
@@ -157,6 +159,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    group = num_heads // num_kv_heads
+    cuda_kernel = decode_kernel(q, group) if fp8 and fp8_kernel == "cuda" else None
+    if cuda_kernel is not None:
+        assert k_cache.stride(2) % 16 == 0 and k_cache.stride(1) % 16 == 0 and k_cache.data_ptr() % 16 == 0
+        assert context_lens.dtype == block_tables.dtype == torch.int32
+        cuda_kernel.launch((num_kv_heads, batch, num_splits),
+                           [q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters],
+                           [scale * k_scale * 1.4426950408889634, v_scale],
+                           [split_len, num_splits, group, num_kv_heads, page],
+                           [q.stride(0), out.stride(0), block_tables.stride(0), *k_cache.stride()[:3]])
+        return out
     _decode_attention[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale * k_scale * 1.4426950408889634, v_scale, split_len, num_splits, q.stride(0), out.stride(0),
