@@ -4,7 +4,8 @@ wheels. The .cu file says why the kernel is not Triton's.
 
 Where it cannot run, `decode_kernel` returns None and the caller uses the Triton kernel (paged_decode.py): no NVRTC
 or driver, a GPU before compute capability 8.9 (no e4m3 conversion), more than 8 query heads per KV head, head
-sizes other than 64 and 128, or a query that is neither bf16 nor float16."""
+sizes other than 64 and 128, a query that is neither bf16 nor float16, an empty batch, or a query on a device other
+than the current one."""
 import ctypes
 import functools
 import glob
@@ -113,8 +114,9 @@ def _kernel_on(device_index: int, head_dim: int, query_bf16: bool) -> DecodeKern
 
 def decode_kernel(q: torch.Tensor, group: int) -> DecodeKernel | None:
     """The CUDA kernel for this query (batch, heads, head_dim) and GQA group, or None where it does not run."""
-    if (not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16) or q.size(-1) not in HEAD_DIMS
-            or group > MAX_GROUP or torch.cuda.get_device_capability(q.device) < (8, 9)):
+    # the launch goes to the current device's stream and context (the engine's processes each set their device)
+    if (not q.is_cuda or q.device.index != torch.cuda.current_device() or q.size(0) == 0
+            or q.dtype not in (torch.bfloat16, torch.float16) or q.size(-1) not in HEAD_DIMS or group > MAX_GROUP
+            or torch.cuda.get_device_capability(q.device) < (8, 9)):
         return None
-    return _kernel_on(q.device.index if q.device.index is not None else torch.cuda.current_device(), q.size(-1),
-                      q.dtype == torch.bfloat16)
+    return _kernel_on(q.device.index, q.size(-1), q.dtype == torch.bfloat16)

@@ -1,20 +1,16 @@
-// Decode attention over an FP8 (e4m3) paged KV cache with a 16-bit query: one warp per (KV head, sequence,
-// slice of the context), tensor-core products in float16 with float32 accumulation. Compiled at first use by
-// NVRTC (paged_decode_cuda.py); it has no headers, so it builds wherever the driver and NVRTC are.
+// Decode attention over an FP8 (e4m3) paged KV cache with a 16-bit query: one warp per (KV head, sequence, slice
+// of the context), tensor-core products in float16 with float32 sums. Compiled at first use by NVRTC
+// (paged_decode_cuda.py); it has no headers. Why not Triton: docs/fp8_kv_cache.md.
 //
-// Why not Triton: there the e4m3 -> float16 widening of V is moved past its shared-memory load, and V reaches the
-// P.V product as bytes, one byte per load. Here every thread loads its own operand fragments straight from
-// global memory in 16-byte loads, and byte permutes put V's tokens side by side before the widening, so the
-// transpose costs one instruction per four bytes and nothing goes through shared memory.
-//
-// Fragment plan (mma.m16n8k16, f16 in, f32 out; lane = 4 * g + t):
-//   S = Q.K^T over 16 tokens: A = the query (rows: the group's heads, padded to 16), B = K. The sum over the
-//       head dimension may take the dims in any order as long as Q and K agree, so lane (g, t) reads token g's
-//       dims [t * D/4, (t+1) * D/4) contiguously; slab s uses four of them.
+// Fragment plan (mma.m16n8k16; lane = 4 * g + t). Nothing goes through shared memory: each lane loads its own
+// operand fragments from global memory in 16-byte loads.
+//   S = Q.K^T over 16 tokens: A = the query (rows: the group's heads, padded to 16), B = K. The sum over the head
+//       dims may take them in any order as long as Q and K agree, so lane (g, t) reads token g's dims
+//       [t * D/4, (t+1) * D/4) contiguously; slab s uses four of them.
 //   O^T = V^T.P^T: A = V^T (rows: head dims), B = P^T, which is S's accumulator as it stands (lane (g, t) holds
 //       head g's probabilities for tokens 2t, 2t+1, 2t+8, 2t+9). Lane (g, t) reads those four tokens' dims
-//       [16 g, 16 g + 16) (for D = 128), so its output is heads 2t, 2t+1 over those dims.
-// Only GROUP <= 8 query heads per KV head (the B operand of O^T has 8 columns).
+//       [g * D/8, (g+1) * D/8), pairs the tokens per dim by byte permutes, and so holds heads 2t, 2t+1 of the
+//       output over those dims. Hence at most 8 query heads per KV head (B has 8 columns).
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -28,7 +24,6 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 #define SLABS (HEAD_DIM / 16)      // k-slabs of S = Q.K^T
 #define K_BYTES (HEAD_DIM / 4)     // bytes of a K row each lane reads
