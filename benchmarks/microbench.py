@@ -233,13 +233,14 @@ def decode(argv: list[str]) -> None:
 # --- fp8-decode ----------------------------------------------------------------------------------------------------
 
 FP8_DECODE_DOC = """\
-The paged decode kernel over a bf16 cache and an FP8 cache (one scale per layer, the engine's), on the GPU:
-time and effective bandwidth of the bytes read, and (--sweep) every chunk size / warps / stages setting.
+The paged decode kernels over a bf16 cache and an FP8 cache (one scale per layer, the engine's; the FP8 cache by
+the Triton kernel and by the CUDA one where it runs), on the GPU: time and effective bandwidth of the bytes read,
+against the FP8 bytes read alone through the same pages and slices, and (--sweep) every chunk size / warps / stages
+setting of the Triton kernel and other slice counts of each.
 
     python benchmarks/microbench.py fp8-decode                       # the long-context shape (64 x 6k-14.8k)
     python benchmarks/microbench.py fp8-decode --batch 256 --min-context 100 --max-context 2048   # bench.py's
     python benchmarks/microbench.py fp8-decode --sweep               # the table paged_decode.TUNED comes from
-                                                                      # (and other slice counts at that setting)
     python benchmarks/microbench.py fp8-decode --flashinfer          # and FlashInfer's decode over the same FP8
                                                                       # cache, query in bf16 (needs nvcc: JIT)
 
