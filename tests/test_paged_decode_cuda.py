@@ -109,7 +109,16 @@ def test_gpu_cuda_decode_replays_in_a_cuda_graph():
 
 
 def test_gpu_kernel_choice_falls_back_to_triton_where_the_cuda_kernel_does_not_serve():
+    _needs_the_kernel()
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(4, 16, 8, 144, device="cuda").to(torch.float8_e4m3fn)
+    tables = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    assert decode_kernel(q, 4, (cache[..., :128], tables), 64) is not None
     assert decode_kernel(q, 16) is None  # more than 8 query heads per KV head
     assert decode_kernel(q[..., :96].contiguous(), 4) is None
     assert decode_kernel(q.float(), 4) is None
+    assert decode_kernel(q[:0], 4) is None
+    assert decode_kernel(q, 4, (cache[..., 8:136], tables), 64) is None  # rows not 16-byte aligned
+    assert decode_kernel(q, 4, (cache[..., :128], tables.cpu()), 64) is None
+    assert decode_kernel(q, 4, (cache[..., :128], tables.long()), 64) is None
+    assert decode_kernel(q, 4, (cache[..., :128], tables), 8) is None  # slices not whole 16-token steps

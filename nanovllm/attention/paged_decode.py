@@ -160,10 +160,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
-    cuda_kernel = decode_kernel(q, group) if fp8 and fp8_kernel == "cuda" else None
+    cuda_kernel = None
+    if fp8 and fp8_kernel == "cuda":
+        cuda_kernel = decode_kernel(q, group, (k_cache, v_cache, block_tables, context_lens, counters), split_len)
     if cuda_kernel is not None:
-        assert k_cache.stride(2) % 16 == 0 and k_cache.stride(1) % 16 == 0 and k_cache.data_ptr() % 16 == 0
-        assert context_lens.dtype == block_tables.dtype == torch.int32
         cuda_kernel.launch((num_kv_heads, batch, num_splits),
                            [q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters],
                            [scale * k_scale * 1.4426950408889634, v_scale],

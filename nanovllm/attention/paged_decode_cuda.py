@@ -17,25 +17,32 @@ from pathlib import Path
 
 import torch
 
+from nanovllm.quantization.e4m3 import FP8
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode_fp8.cu")
 MAX_GROUP = 8  # query heads per KV head: the columns of the kernel's P.V product
 HEAD_DIMS = (64, 128)
+# warps per SM the registers must allow, where measured (Hopper: 12 warps at 167 registers beat 11 at 177 by 5-16%
+# and 16 at 128, which spills); elsewhere the compiler's choice
+MIN_BLOCKS = {(9, 0): 12}
 
 
 def _nvrtc_library() -> ctypes.CDLL:
-    """NVRTC of torch's CUDA major version: the system's, else the one torch's wheels bring (nvidia/*/lib)."""
+    """NVRTC of torch's CUDA version: the one torch's wheels bring (nvidia/*/lib), which knows every GPU that torch
+    does, else the system's (an older toolkit's may not know a newer GPU)."""
     major = (torch.version.cuda or "12").split(".")[0]
-    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    names = []
     for path in sys.path:
         names += sorted(glob.glob(os.path.join(path, "nvidia", "*", "lib", f"libnvrtc.so.{major}*")))
+    names += [f"libnvrtc.so.{major}", "libnvrtc.so"]
     for name in names:
         try:
             return ctypes.CDLL(name)
         except OSError:
             continue
-    raise OSError(f"no NVRTC for CUDA {major} (tried {names[0]} and torch's nvidia packages)")
+    raise OSError(f"no NVRTC for CUDA {major} (tried torch's nvidia packages and libnvrtc.so.{major})")
 
 
 def _compile(source: str, options: list[str]) -> bytes:
@@ -88,6 +95,8 @@ def compile_kernel(device_index: int, head_dim: int, query_bf16: bool, defines: 
     major, minor = torch.cuda.get_device_capability(device_index)
     options = [f"--gpu-architecture=sm_{major}{minor}", "--std=c++17", f"-DHEAD_DIM={head_dim}",
                f"-DQUERY_BF16={int(query_bf16)}"] + [f"-D{define}" for define in defines]
+    if (major, minor) in MIN_BLOCKS and not any(define.startswith("MIN_BLOCKS") for define in defines):
+        options.append(f"-DMIN_BLOCKS={MIN_BLOCKS[major, minor]}")
     cubin = _compile(SOURCE.read_text(), options)
     driver = ctypes.CDLL("libcuda.so.1")
     driver.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
@@ -112,11 +121,20 @@ def _kernel_on(device_index: int, head_dim: int, query_bf16: bool) -> DecodeKern
     return kernel
 
 
-def decode_kernel(q: torch.Tensor, group: int) -> DecodeKernel | None:
-    """The CUDA kernel for this query (batch, heads, head_dim) and GQA group, or None where it does not run."""
+def decode_kernel(q: torch.Tensor, group: int, tensors: tuple[torch.Tensor, ...] = (),
+                  split_len: int = 16) -> DecodeKernel | None:
+    """The CUDA kernel for this query (batch, heads, head_dim) and GQA group, or None where it does not run.
+    `tensors` (the caches, block tables, lengths, counters) must be on the query's device, the caches' rows 16-byte
+    aligned, the tables and lengths int32; `split_len` a multiple of 16 (the kernel's step)."""
     # the launch goes to the current device's stream and context (the engine's processes each set their device)
-    if (not q.is_cuda or q.device.index != torch.cuda.current_device() or q.size(0) == 0
+    if (not q.is_cuda or torch.version.hip or q.device.index != torch.cuda.current_device() or q.size(0) == 0
             or q.dtype not in (torch.bfloat16, torch.float16) or q.size(-1) not in HEAD_DIMS or group > MAX_GROUP
-            or torch.cuda.get_device_capability(q.device) < (8, 9)):
+            or split_len % 16 or torch.cuda.get_device_capability(q.device) < (8, 9)):
         return None
+    for tensor in tensors:
+        if tensor.device != q.device or tensor.dtype not in (FP8, torch.int32):
+            return None
+        cache_rows_misaligned = tensor.data_ptr() % 16 or any(stride % 16 for stride in tensor.stride()[:-1])
+        if tensor.dtype == FP8 and (cache_rows_misaligned or tensor.stride(-1) != 1):
+            return None  # the kernel reads each lane's share of a row in 16-byte loads
     return _kernel_on(q.device.index, q.size(-1), q.dtype == torch.bfloat16)

@@ -19,7 +19,7 @@
 #define QUERY_BF16 1
 #endif
 #ifndef MIN_BLOCKS  // resident warps per SM the register allocation must allow (1: no bound)
-#define MIN_BLOCKS 12
+#define MIN_BLOCKS 1
 #endif
 
 typedef unsigned int u32;
@@ -222,14 +222,14 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
     const int context_len = context_lens[seq];
     const int num_heads = num_kv_heads * group;
-    // lane (g, t) writes heads 2t, 2t + 1 over dims [16 g, 16 g + 16) (V_BYTES per lane)
-    const int out_head[2] = {2 * t, 2 * t + 1};
+    // lane (g, t) writes heads 2t + h (h = 0, 1) over dims [g * V_BYTES, (g + 1) * V_BYTES)
     if (context_len == 0) {  // a CUDA-graph padding row: zeros
         if (split == 0)
             for (int h = 0; h < 2; ++h)
-                if (out_head[h] < group)
+                if (2 * t + h < group)
                     for (int d = 0; d < V_BYTES; ++d)
-                        out[seq * out_stride + (long long)(kv_head * group + out_head[h]) * HEAD_DIM + g * V_BYTES + d] = 0;
+                        out[seq * out_stride + (long long)(kv_head * group + 2 * t + h) * HEAD_DIM + g * V_BYTES + d] =
+                            0;
         return;
     }
     const int start = split * split_len;
@@ -305,15 +305,15 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     const int head_base = seq * num_heads + kv_head * group;
     if (slices == 1) {
         for (int h = 0; h < 2; ++h)
-            if (out_head[h] < group)
+            if (2 * t + h < group)
                 for (int d = 0; d < V_BYTES; ++d)
-                    out[seq * out_stride + (long long)(kv_head * group + out_head[h]) * HEAD_DIM + g * V_BYTES + d] =
+                    out[seq * out_stride + (long long)(kv_head * group + 2 * t + h) * HEAD_DIM + g * V_BYTES + d] =
                         float_to_output(result[h][d]);
         return;
     }
     for (int h = 0; h < 2; ++h)
-        if (out_head[h] < group) {
-            float* dst = part_out + ((long long)(head_base + out_head[h]) * num_splits + split) * HEAD_DIM + g * V_BYTES;
+        if (2 * t + h < group) {
+            float* dst = part_out + ((long long)(head_base + 2 * t + h) * num_splits + split) * HEAD_DIM + g * V_BYTES;
             for (int d = 0; d < V_BYTES; d += 4)
                 *(float4*)(dst + d) = make_float4(result[h][d], result[h][d + 1], result[h][d + 2], result[h][d + 3]);
         }
@@ -325,11 +325,12 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     int ticket = 0;
     if (lane == 0) ticket = atomicAdd(counters + seq * num_kv_heads + kv_head, 1);
     ticket = __shfl_sync(0xffffffffu, ticket, 0);
+    __syncwarp();  // orders the other lanes' reads below after lane 0's ticket (as a block barrier would)
     if (ticket != slices - 1) return;
     __threadfence();
     for (int h = 0; h < 2; ++h) {
-        if (out_head[h] >= group) continue;
-        const long long first_part = (long long)(head_base + out_head[h]) * num_splits;
+        if (2 * t + h >= group) continue;
+        const long long first_part = (long long)(head_base + 2 * t + h) * num_splits;
         float top = NEG_INF;
         for (int other = 0; other < slices; ++other) top = fmaxf(top, __ldcg(part_lse + first_part + other));
         float merged[V_BYTES];
@@ -346,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
             total += weight;
         }
         for (int d = 0; d < V_BYTES; ++d)
-            out[seq * out_stride + (long long)(kv_head * group + out_head[h]) * HEAD_DIM + g * V_BYTES + d] =
+            out[seq * out_stride + (long long)(kv_head * group + 2 * t + h) * HEAD_DIM + g * V_BYTES + d] =
                 float_to_output(merged[d] / total);
     }
     if (lane == 0) atomicExch(counters + seq * num_kv_heads + kv_head, 0);
