@@ -160,19 +160,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     group = num_heads // num_kv_heads
+    scale_log2 = scale * k_scale * 1.4426950408889634  # base-2 logits: exp2 is the cheap instruction
     cuda_kernel = None
     if fp8 and fp8_kernel == "cuda":
         cuda_kernel = decode_kernel(q, group, (k_cache, v_cache, block_tables, context_lens, counters), split_len)
     if cuda_kernel is not None:
         cuda_kernel.launch((num_kv_heads, batch, num_splits),
                            [q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters],
-                           [scale * k_scale * 1.4426950408889634, v_scale],
+                           [scale_log2, v_scale],
                            [split_len, num_splits, group, num_kv_heads, page],
                            [q.stride(0), out.stride(0), block_tables.stride(0), *k_cache.stride()[:3]])
         return out
     _decode_attention[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
-        scale * k_scale * 1.4426950408889634, v_scale, split_len, num_splits, q.stride(0), out.stride(0),
+        scale_log2, v_scale, split_len, num_splits, q.stride(0), out.stride(0),
         block_tables.stride(0), *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,

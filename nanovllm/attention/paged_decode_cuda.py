@@ -79,7 +79,6 @@ class DecodeKernel:
     being captured there)."""
     driver: ctypes.CDLL
     function: ctypes.c_void_p
-    head_dim: int
 
     def launch(self, grid: tuple[int, int, int], pointers: list[torch.Tensor], floats: list[float], ints: list[int],
                longs: list[int]) -> None:
@@ -107,7 +106,7 @@ def compile_kernel(device_index: int, head_dim: int, query_bf16: bool, defines: 
         torch.ones(1, device=torch.device("cuda", device_index))
         _check(driver.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
     _check(driver.cuModuleGetFunction(ctypes.byref(function), module, b"fp8_paged_decode"), "cuModuleGetFunction")
-    return DecodeKernel(driver, function, head_dim)
+    return DecodeKernel(driver, function)
 
 
 @functools.cache
