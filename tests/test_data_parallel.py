@@ -89,13 +89,13 @@ def test_python_entry_and_a_killed_process_replica(tiny_model):
 
 def test_uneven_work_keeps_both_replicas_busy(tiny_model):
     # two long requests, both first fed to replica 0 (the feed alternates), fill its two slots; a static split
-    # would leave replica 1 idle once its half of the short ones is done. The long ones take more decode steps
-    # (400) than replica 1 needs for all 80 short ones (~280), so the split stays lopsided however the 2 cores
-    # share out (at 160 steps a loaded CI machine once answered [28, 54])
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    # would leave replica 1 idle once its half of the short ones is done. The long ones take far more decode steps
+    # (1,000) than replica 1 needs for all 80 short ones (~280), so the split stays lopsided however the 2 cores
+    # share out between the three processes (a loaded CI machine answered [28, 54] at 160 steps, [30, 52] at 400)
+    long = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     params = [long if i in (0, 2) else GREEDY for i in range(82)]
     answered_by: dict[int, int] = {}  # request index -> the replica that answered it
-    with DataParallel(tiny_model, 2, "mp", **OPTIONS) as dp:
+    with DataParallel(tiny_model, 2, "mp", **{**OPTIONS, "max_model_len": 1024}) as dp:
         before = dp.answered
         for index, _out in dp.iter_generate(prompts(82), params):
             now = dp.answered
