@@ -130,7 +130,7 @@ def fresh_token_ids(prompts: list[list[int]], max_id: int, run: int) -> list[lis
     return [[rng.randint(0, max_id) for _ in prompt] for prompt in prompts]
 
 
-KERNEL_CLASSES = [("prefill attention", ("flash",)), ("decode attention", ("decode_attention",)),
+KERNEL_CLASSES = [("prefill attention", ("flash",)), ("decode attention", ("decode_attention", "paged_decode")),
                   ("kv-store", ("store_kvcache",)), ("fp8 input quantization", ("quantize_activations",)),
                   ("matmul", ("gemm", "cutlass", "nvjet", "sm90_", "cublas")), ("fused-elementwise", ("triton_",))]
 

@@ -231,6 +231,10 @@ class RecordingSampler:
                 self.records.append((seed, step, logits[row].clone(), output.token_ids[row]))
         return output
 
+    def __getattr__(self, name: str):
+        # everything else the runner asks of its sampler (structured-output masks, close) is the real one's
+        return getattr(self.sampler, name)
+
 
 def run_recorded(model_path: str, batches: list[tuple[list, list]], **options) -> tuple[list, RecordingSampler]:
     """Each (prompts, params) batch through one engine, one generate call each; the tokens of every request."""
