@@ -29,7 +29,7 @@ import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.attention.paged_decode import TUNED, default_max_splits, paged_decode_attention
+from nanovllm.attention.paged_decode import TUNED, cuda_max_splits, default_max_splits, paged_decode_attention
 from nanovllm.attention.paged_decode_cuda import decode_kernel
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.fused_moe import TileConfig, experts_torch, experts_triton, route, tile_config
@@ -284,9 +284,10 @@ def fp8_decode(argv: list[str]) -> None:
     if cuda:
         cases.append(("fp8, CUDA kernel", k8, v8, dict(k_scale=k_scale, v_scale=v_scale), fp8_bytes))
     # the ceiling: the FP8 cache's bytes read through the same pages, grid and slices, summed (seen as bf16 pairs)
+    # (with either kernel's slice count, whichever reads faster)
     ceiling_us = min(paged_read_us(k8.view(torch.bfloat16), v8.view(torch.bfloat16), block_tables, context_lens,
-                                   default_max_splits(args.batch, args.kv_heads), block_n=64, warps=warps)
-                     for warps in (2, 4, 8))
+                                   splits(args.batch, args.kv_heads), block_n=64, warps=warps)
+                     for warps in (2, 4, 8) for splits in (default_max_splits, cuda_max_splits))
     print(f"batch {args.batch}, heads {args.heads}/{args.kv_heads}, contexts {args.min_context}-{args.max_context}; "
           f"FP8 bytes read through the same pages alone: {ceiling_us:.1f} us, {fp8_bytes / ceiling_us / 1e3:.0f} GB/s")
     print("| KV cache | us | MB read | GB/s | speed-up vs bf16 | of the FP8 read ceiling | max abs diff vs bf16 |")

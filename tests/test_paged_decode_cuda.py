@@ -71,7 +71,7 @@ def test_gpu_cuda_decode_matches_float32_attention(num_heads, num_kv_heads, head
     assert decode_kernel(q, num_heads // num_kv_heads) is not None, "the CUDA kernel did not load (see the log)"
     expected = _reference(q, k8, v8, k_scale, v_scale, block_tables, context_lens)
     bound = 2 ** -7 * expected.abs().max().item()  # bf16 output and float16 probabilities, float32 sums
-    for max_splits in (None, 1, 16):
+    for max_splits in (None, 1, 16, 32):
         counters = torch.zeros(len(CONTEXTS) * num_kv_heads, dtype=torch.int32, device="cuda")
         out = paged_decode_attention(q, k8, v8, block_tables, context_lens, head_dim ** -0.5, counters,
                                      max_splits=max_splits, k_scale=k_scale, v_scale=v_scale)

@@ -32,6 +32,13 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
     return min(MERGE_WIDTH, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
 
 
+def cuda_max_splits(batch: int, num_kv_heads: int) -> int:
+    """Slices per sequence for the CUDA FP8 kernel: about 4,096 (sequence, KV head, slice) warps, 8 to 32 slices.
+    A warp walks its slice 16 tokens at a time with one step's loads in flight, so at small batches it needs more,
+    shorter slices than the Triton kernel's programs do (measured: docs/fp8_kv_cache.md, Decode kernel)."""
+    return min(32, max(8, triton.next_power_of_2(-(-4096 // (batch * num_kv_heads)))))
+
+
 # num_splits and MAX_SPLITS would otherwise vary with the batch size (default_max_splits), each value a compile of
 # its own: in a cold start, inside the CUDA-graph capture of the sizes that need it
 @triton.jit(do_not_specialize=["num_splits"])
@@ -150,20 +157,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert counters.numel() >= batch * num_kv_heads and counters.dtype == torch.int32
     tuned_block_n, tuned_warps, tuned_stages = TUNED[fp8]
     block_n = min(block_n or tuned_block_n, page)
-    max_splits = max_splits or default_max_splits(batch, num_kv_heads)
-    # a static split count (the grid must not depend on device values under CUDA graphs): the widest table
-    # holds width * page tokens; slices are whole chunks, sized so at most max_splits are needed
-    max_context = block_tables.size(1) * page
-    split_len = triton.cdiv(triton.cdiv(max_context, max_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_context, split_len)
+    group = num_heads // num_kv_heads
+    cuda_kernel = None
+    if fp8 and fp8_kernel == "cuda":
+        split_len = _split_len(block_tables, page, block_n, max_splits or cuda_max_splits(batch, num_kv_heads))
+        cuda_kernel = decode_kernel(q, group, (k_cache, v_cache, block_tables, context_lens, counters), split_len)
+    if cuda_kernel is None:
+        split_len = _split_len(block_tables, page, block_n, max_splits or default_max_splits(batch, num_kv_heads))
+    num_splits = triton.cdiv(block_tables.size(1) * page, split_len)
     part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    group = num_heads // num_kv_heads
     scale_log2 = scale * k_scale * 1.4426950408889634  # base-2 logits: exp2 is the cheap instruction
-    cuda_kernel = None
-    if fp8 and fp8_kernel == "cuda":
-        cuda_kernel = decode_kernel(q, group, (k_cache, v_cache, block_tables, context_lens, counters), split_len)
     if cuda_kernel is not None:
         cuda_kernel.launch((num_kv_heads, batch, num_splits),
                            [q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters],
@@ -175,9 +180,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, counters,
         scale_log2, v_scale, split_len, num_splits, q.stride(0), out.stride(0),
         block_tables.stride(0), *k_cache.stride()[:3],
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, MAX_SPLITS=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)), FP8_KV=fp8,
         num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )
     return out
+
+
+def _split_len(block_tables: torch.Tensor, page: int, block_n: int, max_splits: int) -> int:
+    """A static slice length (the grid must not depend on device values under CUDA graphs): the widest table holds
+    width * page tokens; slices are whole chunks, sized so at most max_splits are needed."""
+    max_context = block_tables.size(1) * page
+    return triton.cdiv(triton.cdiv(max_context, max_splits), block_n) * block_n
