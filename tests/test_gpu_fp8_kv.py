@@ -199,7 +199,9 @@ def expect_xqa_rounding(results: dict, request) -> None:
 def test_fp8_as_good_as_the_emulated_quantisation(results, mode, request):
     expect_xqa_rounding(results, request)
     fp8 = results["table"][mode, "fp8"]
-    assert fp8["exact"] >= fp8["emulated_exact"] - 0.03, fp8
+    # in whole tokens: a share exactly 3 points below the emulation's meets the bar (float32 shares may not)
+    tokens = fp8["tokens"]
+    assert round(fp8["exact"] * tokens) >= round(fp8["emulated_exact"] * tokens) - round(0.03 * tokens), fp8
     assert fp8["mean_gap"] <= 1.5 * fp8["emulated_mean_gap"] + 1e-3, fp8
     assert fp8["worst_gap"] == fp8["worst_gap"]  # not NaN
 

@@ -33,10 +33,14 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
 
 
 def cuda_max_splits(batch: int, num_kv_heads: int) -> int:
-    """Slices per sequence for the CUDA FP8 kernel: about 4,096 (sequence, KV head, slice) warps, 8 to 32 slices.
-    A warp walks its slice 16 tokens at a time with one step's loads in flight, so at small batches it needs more,
-    shorter slices than the Triton kernel's programs do (measured: docs/fp8_kv_cache.md, Decode kernel)."""
-    return min(32, max(8, triton.next_power_of_2(-(-4096 // (batch * num_kv_heads)))))
+    """Slices per sequence for the CUDA FP8 kernel. A warp walks its slice 16 tokens at a time with one step's loads
+    in flight, so below 2,048 (sequence, KV head) pairs it needs more, shorter slices than the Triton kernel's
+    programs do: about 4,096 warps, 8 to 32 slices. From 2,048 pairs on, 4, as the Triton rule gives: there more
+    slices only add float32 partials to write and merge (measured: docs/fp8_kv_cache.md, Decode kernel)."""
+    pairs = batch * num_kv_heads
+    if pairs >= 2048:
+        return 4
+    return min(32, max(8, triton.next_power_of_2(-(-4096 // pairs))))
 
 
 # num_splits and MAX_SPLITS would otherwise vary with the batch size (default_max_splits), each value a compile of
