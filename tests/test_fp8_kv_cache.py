@@ -6,7 +6,7 @@ import torch
 
 from nanovllm.attention import KVCacheLayout, LayerKV
 from nanovllm.attention.flash_attn_backend import dequantized_blocks, store_kvcache
-from nanovllm.attention.paged_decode import paged_decode_attention
+from nanovllm.attention.paged_decode import cuda_max_splits, default_max_splits, paged_decode_attention
 from nanovllm.attention.qk_norm_rope import KVDestination, qk_norm_rope
 from nanovllm.attention.torch_backend import TorchBackend, store_kvcache_torch
 from nanovllm.engine.model_inputs import InputBuilder
@@ -28,6 +28,15 @@ def fp8_cache(num_blocks: int, page: int, kv_heads: int, head_dim: int, device: 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8)
+
+
+def test_the_cuda_decode_kernels_slice_counts_are_the_measured_ones():
+    """docs/fp8_kv_cache.md's slice table (8 KV heads): the CUDA kernel's picks, and where they leave the Triton
+    kernel's rule (more, shorter slices below 256 sequences; the same 4 from 2,048 sequence-head pairs on)."""
+    picks = {batch: cuda_max_splits(batch, 8) for batch in (1, 4, 8, 16, 32, 64, 128, 255, 256, 512, 4096)}
+    assert picks == {1: 32, 4: 32, 8: 32, 16: 32, 32: 16, 64: 8, 128: 8, 255: 8, 256: 4, 512: 4, 4096: 4}
+    assert [default_max_splits(batch, 8) for batch in (4, 32, 128, 256)] == [16, 8, 4, 4]
+    assert cuda_max_splits(64, 4) == 16 and cuda_max_splits(512, 2) == 8  # pairs, not sequences, count
 
 
 def test_quantize_round_trip_within_half_a_step_and_saturates_past_the_range():

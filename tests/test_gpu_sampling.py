@@ -5,6 +5,8 @@ probabilities computed from the same logits in float64 by a plain reference of t
 bound that a wrong floor, temperature or seed handling fails by orders of magnitude; a floor one distinct value off
 fails it where few tokens are kept, see test_the_check_fails_with_a_floor_one_value_off, and
 test_gpu_top_p_floor.py checks the floors themselves)."""
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -231,8 +233,10 @@ class RecordingSampler:
                 self.records.append((seed, step, logits[row].clone(), output.token_ids[row]))
         return output
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         # everything else the runner asks of its sampler (structured-output masks, close) is the real one's
+        if name == "sampler":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self.sampler, name)
 
 

@@ -32,15 +32,21 @@ def default_max_splits(batch: int, num_kv_heads: int) -> int:
     return min(MERGE_WIDTH, max(8, triton.next_power_of_2(1024 // (batch * num_kv_heads))))
 
 
+# cuda_max_splits' constants: measured on an H200, applied on every GPU the CUDA kernel runs on
+CUDA_TARGET_WARPS = 4096
+CUDA_FEW_SLICES_FROM = 2048  # (sequence, KV head) pairs
+CUDA_MAX_SPLITS = 32
+
+
 def cuda_max_splits(batch: int, num_kv_heads: int) -> int:
     """Slices per sequence for the CUDA FP8 kernel. A warp walks its slice 16 tokens at a time with one step's loads
     in flight, so below 2,048 (sequence, KV head) pairs it needs more, shorter slices than the Triton kernel's
     programs do: about 4,096 warps, 8 to 32 slices. From 2,048 pairs on, 4, as the Triton rule gives: there more
     slices only add float32 partials to write and merge (measured: docs/fp8_kv_cache.md, Decode kernel)."""
     pairs = batch * num_kv_heads
-    if pairs >= 2048:
+    if pairs >= CUDA_FEW_SLICES_FROM:
         return 4
-    return min(32, max(8, triton.next_power_of_2(-(-4096 // pairs))))
+    return min(CUDA_MAX_SPLITS, max(8, triton.next_power_of_2(triton.cdiv(CUDA_TARGET_WARPS, pairs))))
 
 
 # num_splits and MAX_SPLITS would otherwise vary with the batch size (default_max_splits), each value a compile of
@@ -148,6 +154,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns [batch, heads, head_dim]: sequence i attends to its first context_lens[i] cached tokens (a row
     with context 0, as CUDA-graph padding has, gets zeros). `counters` is int32 scratch of at least
     batch * kv_heads zeros, which the kernel leaves at zero; reuse one buffer across calls to save a memset.
+    `max_splits` (slices per sequence) defaults to the kernel's own rule: cuda_max_splits or default_max_splits.
     """
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -185,7 +192,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale_log2, v_scale, split_len, num_splits, q.stride(0), out.stride(0),
         block_tables.stride(0), *k_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(num_heads // num_kv_heads)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=block_n, MAX_SPLITS=max(MERGE_WIDTH, triton.next_power_of_2(num_splits)), FP8_KV=fp8,
         num_warps=num_warps or tuned_warps, num_stages=num_stages or tuned_stages,
     )
