@@ -110,18 +110,18 @@ def score(hf_float32, prompts, outputs, emulated=None) -> dict:
             choice = emulated(ids).logits[0, len(prompt) - 1:].argmax(1)
             emulated_gaps.append(exact.max(1).values - exact.gather(1, choice.unsqueeze(1)).squeeze(1))
     gaps = torch.cat(gaps)
-    # shares for the tables, whole-token counts for the bars (a share exactly on a bar is one in float32 only
-    # by luck of rounding)
-    result = dict(tokens=len(gaps), exact=(gaps == 0).float().mean().item(), mean_gap=gaps.mean().item(),
-                  worst_gap=gaps.max().item(), within_margin=(gaps <= MARGIN).float().mean().item(),
-                  exact_count=int((gaps == 0).sum()), within_count=int((gaps <= MARGIN).sum()))
+    tokens = len(gaps)
+    # whole-token counts for the bars (a share exactly on a bar is one in float32 only by luck of rounding), their
+    # shares for the tables
+    exact_count, within_count = int((gaps == 0).sum()), int((gaps <= MARGIN).sum())
+    result = dict(tokens=tokens, exact_count=exact_count, within_count=within_count, exact=exact_count / tokens,
+                  within_margin=within_count / tokens, mean_gap=gaps.mean().item(), worst_gap=gaps.max().item())
     if emulated is not None:
         emulated_gaps = torch.cat(emulated_gaps)
-        result.update(emulated_exact=(emulated_gaps == 0).float().mean().item(),
-                      emulated_mean_gap=emulated_gaps.mean().item(),
-                      emulated_within_margin=(emulated_gaps <= MARGIN).float().mean().item(),
-                      emulated_exact_count=int((emulated_gaps == 0).sum()),
-                      emulated_within_count=int((emulated_gaps <= MARGIN).sum()))
+        exact_count, within_count = int((emulated_gaps == 0).sum()), int((emulated_gaps <= MARGIN).sum())
+        result.update(emulated_exact_count=exact_count, emulated_within_count=within_count,
+                      emulated_exact=exact_count / tokens, emulated_within_margin=within_count / tokens,
+                      emulated_mean_gap=emulated_gaps.mean().item())
     return result
 
 
