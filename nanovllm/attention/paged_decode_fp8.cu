@@ -328,27 +328,36 @@ extern "C" __global__ void __launch_bounds__(32, MIN_BLOCKS) fp8_paged_decode(
     __syncwarp();  // orders the other lanes' reads below after lane 0's ticket (as a block barrier would)
     if (ticket != slices - 1) return;
     __threadfence();
+    // Both heads at once and four slices per unrolled step, so that a step's loads are in flight together: one
+    // slice at a time costs a round trip to L2 per slice, on the kernel's last warp. A head past the group reads
+    // the group's first head's partials (in bounds) and writes nothing.
+    bool live[2];
+    long long first_part[2];
+    float top[2] = {NEG_INF, NEG_INF}, total[2] = {0.f, 0.f};
+    float merged[2][V_BYTES];
     for (int h = 0; h < 2; ++h) {
-        if (2 * t + h >= group) continue;
-        const long long first_part = (long long)(head_base + 2 * t + h) * num_splits;
-        float top = NEG_INF;
-        for (int other = 0; other < slices; ++other) top = fmaxf(top, __ldcg(part_lse + first_part + other));
-        float merged[V_BYTES];
-        for (int d = 0; d < V_BYTES; ++d) merged[d] = 0.f;
-        float total = 0.f;
-        for (int other = 0; other < slices; ++other) {
-            const float weight = exp2_approx(__ldcg(part_lse + first_part + other) - top);
-            const float* src = part_out + (first_part + other) * HEAD_DIM + g * V_BYTES;
+        live[h] = 2 * t + h < group;
+        first_part[h] = (long long)(head_base + (live[h] ? 2 * t + h : 0)) * num_splits;
+        for (int d = 0; d < V_BYTES; ++d) merged[h][d] = 0.f;
+    }
+    for (int other = 0; other < slices; ++other)
+        for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], __ldcg(part_lse + first_part[h] + other));
+#pragma unroll 4
+    for (int other = 0; other < slices; ++other)
+        for (int h = 0; h < 2; ++h) {
+            const float weight = exp2_approx(__ldcg(part_lse + first_part[h] + other) - top[h]);
+            const float* src = part_out + (first_part[h] + other) * HEAD_DIM + g * V_BYTES;
             for (int d = 0; d < V_BYTES; d += 4) {
                 const float4 part = __ldcg((const float4*)(src + d));
-                merged[d] += weight * part.x; merged[d + 1] += weight * part.y;
-                merged[d + 2] += weight * part.z; merged[d + 3] += weight * part.w;
+                merged[h][d] += weight * part.x; merged[h][d + 1] += weight * part.y;
+                merged[h][d + 2] += weight * part.z; merged[h][d + 3] += weight * part.w;
             }
-            total += weight;
+            total[h] += weight;
         }
-        for (int d = 0; d < V_BYTES; ++d)
-            out[seq * out_stride + (long long)(kv_head * group + 2 * t + h) * HEAD_DIM + g * V_BYTES + d] =
-                float_to_output(merged[d] / total);
-    }
+    for (int h = 0; h < 2; ++h)
+        if (live[h])
+            for (int d = 0; d < V_BYTES; ++d)
+                out[seq * out_stride + (long long)(kv_head * group + 2 * t + h) * HEAD_DIM + g * V_BYTES + d] =
+                    float_to_output(merged[h][d] / total[h]);
     if (lane == 0) atomicExch(counters + seq * num_kv_heads + kv_head, 0);
 }
