@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode_fp8.cu")
 MAX_GROUP = 8  # query heads per KV head: the columns of the kernel's P.V product
 HEAD_DIMS = (64, 128)
-# warps per SM the registers must allow, where measured (Hopper: 12 warps at 167 registers beat 11 at 177 by 5-16%
+# warps per SM the registers must allow, where measured (Hopper: 12 warps at 167-168 registers beat 11 at 177 by 5-16%
 # and 16 at 128, which spills); elsewhere the compiler's choice
 MIN_BLOCKS = {(9, 0): 12}
 
